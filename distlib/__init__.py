@@ -1,0 +1,32 @@
+"""distlib: distributed training for PyTorch, small enough to drop into an existing script.
+
+ctx = distlib.init()                       # torchrun's environment, or world size 1
+loader = distlib.distributed_loader(ds, batch_size=64)
+sync = distlib.GradSync(model)             # after loss.backward(): sync.wait()
+...
+distlib.shutdown()
+"""
+
+from distlib.collectives import all_gather_object, all_reduce, barrier, broadcast, broadcast_object, reduce
+from distlib.grad_sync import GradSync
+from distlib.log import get_logger
+from distlib.process_group import Context, EnvError, init, shutdown
+from distlib.sampler import EpochLoader, ExactDistributedSampler, distributed_loader
+
+__all__ = [
+    "Context",
+    "EnvError",
+    "EpochLoader",
+    "ExactDistributedSampler",
+    "GradSync",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "distributed_loader",
+    "get_logger",
+    "init",
+    "reduce",
+    "shutdown",
+]

@@ -1,0 +1,262 @@
+"""Run configuration: a typed dataclass tree, YAML that holds only what differs
+from the defaults, and ``a.b=value`` overrides from the command line.
+
+Every problem in a recipe and its overrides is collected and reported at once
+(``ConfigError``), before any process group starts and before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+
+@dataclass
+class AugmentConfig:
+    crop_pad: int = 4  # random crop with this much reflect padding; 0 turns it off
+    flip: Literal["none", "random", "alternating"] = "random"  # alternating: airbench's derandomized flip
+    cutout: int = 0  # side of a zeroed square; 0 turns it off
+
+
+@dataclass
+class DataConfig:
+    root: str = "data/cifar10-demo"  # torchvision CIFAR-10 folder, or an ImageFolder with train/ and test/
+    download: bool = False  # let torchvision download CIFAR-10 into root when it is missing
+    cache_dir: str = ""  # where the decoded uint8 tensors are kept; "" = <root>/.distlib-cache
+    train_subset: int = 0  # use only the first N training images (0 = all)
+    on_device: bool = True  # keep the whole decoded set on the device and augment there
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+
+
+@dataclass
+class ModelConfig:
+    name: Literal["resnet18_cifar", "small_cnn"] = "resnet18_cifar"
+    width: int = 64  # base channel count of small_cnn
+    num_classes: int = 10
+    channels_last: bool = True
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10
+    batch_size: int = 512  # global: divided evenly over the ranks
+    optimizer: Literal["sgd"] = "sgd"
+    lr: float = 0.4  # peak learning rate for the global batch
+    momentum: float = 0.9
+    nesterov: bool = True
+    weight_decay: float = 5e-4  # not applied to BatchNorm weights and biases
+    label_smoothing: float = 0.2
+    warmup_frac: float = 0.15  # linear warm-up over this fraction of the steps, then linear decay to 0
+    precision: Literal["bf16", "fp32"] = "bf16"  # autocast dtype; bf16 falls back to fp32 on CPU
+    grad_accum: int = 1  # micro-steps per optimizer step (communication only on the last)
+    ema: float = 0.0  # decay of an exponential moving average of the weights; 0 = off
+    eval_every: int = 1  # evaluate every N epochs (the last epoch always)
+    tta: bool = True  # flip test-time augmentation in the final evaluation
+    seed: int = 0
+    cuda_graph: bool = False  # capture the whole training step as one CUDA graph
+    compile: bool = False  # torch.compile the model
+
+
+@dataclass
+class DistConfig:
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: NCCL when the process has a GPU
+    timeout_s: float = 300.0  # a collective that waits longer fails the job
+    mode: Literal["process_per_gpu", "fallback"] = "process_per_gpu"
+    bucket_mb: float = 25.0  # gradient bucket size
+    compress: Literal["none", "bf16"] = "none"  # gradient compression for the all_reduce
+
+
+@dataclass
+class ProfileConfig:
+    enabled: bool = False
+    wait: int = 2
+    warmup: int = 2
+    active: int = 4
+
+
+@dataclass
+class RunConfig:
+    name: str = ""  # "" = the recipe's file name
+    out_dir: str = ""  # "" = runs/<name>
+    checkpoint_every: int = 0  # epochs between checkpoints (0 = only at the end)
+    keep_checkpoints: int = 3
+    resume: bool = True  # continue from the newest checkpoint in out_dir
+    progress: Literal["auto", "rich", "plain"] = "auto"
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+
+class ConfigError(ValueError):
+    """All problems found in a recipe and its overrides, one per line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
+    """Return ``value`` as ``tp``, or record a problem and return None."""
+    if typing.get_origin(tp) is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    problems.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    return None
+
+
+def _apply(obj: Any, data: Any, prefix: str, problems: list[str]) -> None:
+    """Write the mapping ``data`` into the dataclass ``obj``, recording every problem."""
+    if not isinstance(data, dict):
+        problems.append(f"{prefix or '<top level>'}: expected a mapping of keys, got {data!r}")
+        return
+    hints = typing.get_type_hints(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            problems.append(f"{path}: unknown key (valid keys here: {', '.join(names)})")
+            continue
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            _apply(getattr(obj, key), value, path, problems)
+            continue
+        coerced = _coerce(value, tp, path, problems)
+        if coerced is not None:
+            setattr(obj, key, coerced)
+
+
+def _parse_override(item: str, problems: list[str]) -> dict | None:
+    """``a.b=value`` -> {"a": {"b": value}}, the value read as a YAML scalar."""
+    if "=" not in item:
+        problems.append(f"override {item!r}: expected dotted.key=value")
+        return None
+    key, raw = item.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        problems.append(f"override {item!r}: expected dotted.key=value")
+        return None
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, (dict, list)):
+        value = raw  # a flow mapping is not a scalar; keep the text and let the type check speak
+    out: dict = {}
+    node = out
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def _validate(cfg: Config, problems: list[str]) -> None:
+    """Checks of values that a type alone does not express."""
+    positive = {
+        "train.epochs": cfg.train.epochs,
+        "train.batch_size": cfg.train.batch_size,
+        "train.grad_accum": cfg.train.grad_accum,
+        "train.eval_every": cfg.train.eval_every,
+        "dist.timeout_s": cfg.dist.timeout_s,
+        "dist.bucket_mb": cfg.dist.bucket_mb,
+        "model.width": cfg.model.width,
+        "model.num_classes": cfg.model.num_classes,
+        "run.keep_checkpoints": cfg.run.keep_checkpoints,
+    }
+    for path, value in positive.items():
+        if value is not None and value <= 0:
+            problems.append(f"{path}: must be > 0, got {value!r}")
+    non_negative = {
+        "train.lr": cfg.train.lr,
+        "train.weight_decay": cfg.train.weight_decay,
+        "data.train_subset": cfg.data.train_subset,
+        "data.augment.crop_pad": cfg.data.augment.crop_pad,
+        "data.augment.cutout": cfg.data.augment.cutout,
+        "run.checkpoint_every": cfg.run.checkpoint_every,
+    }
+    for path, value in non_negative.items():
+        if value is not None and value < 0:
+            problems.append(f"{path}: must be >= 0, got {value!r}")
+    for path, value in {
+        "train.warmup_frac": cfg.train.warmup_frac,
+        "train.ema": cfg.train.ema,
+        "train.label_smoothing": cfg.train.label_smoothing,
+        "train.momentum": cfg.train.momentum,
+    }.items():
+        if value is not None and not 0.0 <= value < 1.0:
+            problems.append(f"{path}: must be in [0, 1), got {value!r}")
+
+
+def load_config(recipe: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    """Build the run config from a YAML recipe (or defaults) and CLI overrides.
+
+    Raises ConfigError listing every problem found.
+    """
+    problems: list[str] = []
+    cfg = Config()
+    name = ""
+    if recipe is not None:
+        name = os.path.splitext(os.path.basename(os.fspath(recipe)))[0]
+        try:
+            with open(recipe) as f:
+                data = yaml.safe_load(f)
+        except FileNotFoundError:
+            problems.append(f"recipe {os.fspath(recipe)!r}: no such file")
+            data = None
+        except IsADirectoryError:
+            problems.append(f"recipe {os.fspath(recipe)!r}: is a directory, expected a YAML file")
+            data = None
+        except yaml.YAMLError as e:
+            problems.append(f"recipe {os.fspath(recipe)!r}: malformed YAML: {e}".replace("\n", " "))
+            data = None
+        if data is not None:
+            _apply(cfg, data, "", problems)
+    for item in overrides:
+        parsed = _parse_override(item, problems)
+        if parsed is not None:
+            _apply(cfg, parsed, "", problems)
+    _validate(cfg, problems)
+    if problems:
+        raise ConfigError(problems)
+    if not cfg.run.name:
+        cfg.run.name = name or "default"
+    if not cfg.run.out_dir:
+        cfg.run.out_dir = os.path.join("runs", cfg.run.name)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
