@@ -93,6 +93,7 @@ class DeviceLoader:
         self.channels_last = channels_last
         self.dtype = dtype
         self.epoch = 0
+        self.augment_chunk = 16384
         n = images.shape[0]
         self.steps_per_epoch = n // (batch_size * world_size)
         if self.steps_per_epoch == 0:
@@ -125,20 +126,27 @@ class DeviceLoader:
         return cutout(x, self.cutout_size, gen)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # The whole epoch's shard is augmented up front, in a few large chunks: one
+        # set of kernels per epoch instead of one per step keeps a small-batch GPU
+        # step from being bound by launches.
         n = self.images.shape[0]
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).to(self.device)
         gen = torch.Generator(device=self.device)
         gen.manual_seed((self.seed + 1) * 1_000_003 + self.epoch * 1009 + self.rank)
-        global_batch = self.batch_size * self.world_size
-        for step in range(self.steps_per_epoch):
-            start = step * global_batch + self.rank * self.batch_size
-            idx = perm[start : start + self.batch_size]
-            x = self._augment(self.images[idx].to(self.dtype), idx, gen)
-            x = x.div_(255).sub_(self.mean).div_(self.std)
-            if self.channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
-            yield x, self.labels[idx]
+        steps, b = self.steps_per_epoch, self.batch_size
+        idx = perm[: steps * b * self.world_size].view(steps, self.world_size, b)[:, self.rank].reshape(-1)
+        chunks = []
+        for start in range(0, idx.numel(), self.augment_chunk):
+            part = idx[start : start + self.augment_chunk]
+            x = self._augment(self.images[part].to(self.dtype), part, gen)
+            chunks.append(x.div_(255).sub_(self.mean).div_(self.std))
+        x = torch.cat(chunks)
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        y = self.labels[idx]
         self.epoch += 1
+        for step in range(steps):
+            yield x[step * b : (step + 1) * b], y[step * b : (step + 1) * b]
 
 
 def eval_shards(
