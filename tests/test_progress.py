@@ -98,7 +98,8 @@ def test_rich_mode_close_in_finally_restores_the_terminal_after_an_error():
         finally:
             p.close()
             p.close()  # twice is fine
-    assert console.file.getvalue().endswith("\x1b[?25h")  # show-cursor is the last thing written
+    out = console.file.getvalue()
+    assert out.rfind("\x1b[?25h") > out.rfind("\x1b[?25l") >= 0  # the cursor, hidden by the bar, is shown again
 
 
 def test_other_ranks_print_nothing():
