@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 
@@ -19,7 +20,11 @@ import distlib
 from distlib.config import ConfigError, dump_yaml, load_config
 from distlib.data import DataError, load_image_set
 from distlib.device_loader import DeviceLoader, eval_shards, normalize_stats
+from distlib.environment import environment_json
 from distlib.models import build_model, count_params, param_groups
+from distlib.plots import CurvePlot
+from distlib.profiling import StepProfiler
+from distlib.progress import TrainingProgress
 from distlib.run_dir import RunDir
 from distlib.schedule import warmup_linear
 
@@ -61,6 +66,12 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     log = distlib.get_logger()
+    progress = TrainingProgress(cfg.run.progress, enabled=ctx.is_main)  # rank 0 only
+    pc = cfg.profile
+    prof = StepProfiler(
+        os.path.join(cfg.run.out_dir, "profile"), ctx.rank, ctx.device,
+        enabled=pc.enabled, wait=pc.wait, warmup=pc.warmup, active=pc.active,
+    )  # fmt: skip
     try:
         # ---- build -------------------------------------------------------------------
         if cfg.train.batch_size % (ctx.world_size * cfg.train.grad_accum):
@@ -110,6 +121,10 @@ def main(argv: list[str]) -> int:
         run = RunDir(cfg.run.out_dir, ctx.is_main)
         run.write_text("config.yaml", dump_yaml(cfg))
         run.start_metrics(0)
+        run.write_text("environment.json", environment_json(ctx))  # a collective: every rank calls it
+        curves = CurvePlot(
+            os.path.join(run.path, "curves.png"), run.read_metrics(), title=cfg.run.name, enabled=ctx.is_main
+        )
         log.info(
             "%s: %d params, %d train / %d test images, global batch %d over %d rank(s), %d steps/epoch",
             cfg.model.name, count_params(model), len(y_train), len(y_test), cfg.train.batch_size,
@@ -120,6 +135,8 @@ def main(argv: list[str]) -> int:
         micro = per_rank // cfg.train.grad_accum
         train_s = 0.0
         t_start = time.perf_counter()
+        progress.start(epochs=cfg.train.epochs, steps_per_epoch=len(loader), images_per_step=cfg.train.batch_size)
+        prof.start()
         for epoch in range(1, cfg.train.epochs + 1):
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=ctx.device)
@@ -142,6 +159,8 @@ def main(argv: list[str]) -> int:
                 sched.step()
                 if ema is not None:
                     ema.update_parameters(model)
+                prof.step()
+                progress.step(loss)  # cheap: the loss is read only when the display redraws
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             epoch_s = time.perf_counter() - t0
@@ -174,16 +193,17 @@ def main(argv: list[str]) -> int:
                 "world_size": ctx.world_size,
             }
             run.log_metrics(row)
-            log.info(
-                "epoch %d/%d loss %.4f acc %s  %.0f img/s  %.1fs",
-                epoch, cfg.train.epochs, train_loss, "-" if acc != acc else f"{acc:.4f}",
-                row["images_per_s"], row["elapsed_s"],
-            )  # fmt: skip
+            progress.epoch_end(row)
+            curves.add(row)
+        progress.finish(run.read_metrics())
+        curves.write()
         return 0
     except (DataError, ValueError) as e:
         log.error("%s", e)
         return 2
     finally:
+        prof.close()
+        progress.close()
         distlib.shutdown()
 
 

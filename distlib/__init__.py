@@ -13,6 +13,8 @@ from distlib.log import get_logger
 from distlib.process_group import Context, EnvError, init, shutdown
 from distlib.sampler import EpochLoader, ExactDistributedSampler, distributed_loader
 
+__version__ = "0.1.0"  # the one place the version is set (pyproject.toml reads it)
+
 __all__ = [
     "Context",
     "EnvError",

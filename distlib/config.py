@@ -73,10 +73,10 @@ class DistConfig:
 
 @dataclass
 class ProfileConfig:
-    enabled: bool = False
-    wait: int = 2
-    warmup: int = 2
-    active: int = 4
+    enabled: bool = False  # torch.profiler on every rank: <out_dir>/profile/trace_rank{R}.json and table_rank{R}.txt
+    wait: int = 2  # training steps skipped before profiling
+    warmup: int = 2  # steps traced but discarded (the profiler's own start-up)
+    active: int = 4  # steps recorded
 
 
 @dataclass
@@ -86,7 +86,7 @@ class RunConfig:
     checkpoint_every: int = 0  # epochs between checkpoints (0 = only at the end)
     keep_checkpoints: int = 3
     resume: bool = True  # continue from the newest checkpoint in out_dir
-    progress: Literal["auto", "rich", "plain"] = "auto"
+    progress: Literal["auto", "rich", "plain"] = "auto"  # auto: a live bar on a terminal, plain lines otherwise
 
 
 @dataclass
@@ -186,6 +186,7 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         "train.batch_size": cfg.train.batch_size,
         "train.grad_accum": cfg.train.grad_accum,
         "train.eval_every": cfg.train.eval_every,
+        "profile.active": cfg.profile.active,
         "dist.timeout_s": cfg.dist.timeout_s,
         "dist.bucket_mb": cfg.dist.bucket_mb,
         "model.width": cfg.model.width,
@@ -198,6 +199,8 @@ def _validate(cfg: Config, problems: list[str]) -> None:
     non_negative = {
         "train.lr": cfg.train.lr,
         "train.weight_decay": cfg.train.weight_decay,
+        "profile.wait": cfg.profile.wait,
+        "profile.warmup": cfg.profile.warmup,
         "data.train_subset": cfg.data.train_subset,
         "data.augment.crop_pad": cfg.data.augment.crop_pad,
         "data.augment.cutout": cfg.data.augment.cutout,

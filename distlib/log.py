@@ -16,6 +16,19 @@ class _RankFilter(logging.Filter):
         return _rank == 0 or record.levelno >= logging.WARNING
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time, so that a live progress
+    display that redirects it (rich) prints log lines above itself, intact."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it
+        pass
+
+
 def set_rank(rank: int) -> None:
     global _rank
     _rank = rank
@@ -24,7 +37,7 @@ def set_rank(rank: int) -> None:
 def get_logger() -> logging.Logger:
     logger = logging.getLogger(_LOGGER_NAME)
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.addFilter(_RankFilter())
         handler.setFormatter(logging.Formatter("[distlib rank %(rank)s] %(levelname)s %(message)s"))
         logger.addHandler(handler)

@@ -1,0 +1,287 @@
+"""What rank 0 shows while it trains: a live rich progress bar on a terminal, plain
+log lines otherwise (CI, log files), and a summary table at the end.
+
+The reporter is built to stay out of the training loop's way: ``step()`` costs a
+clock read and a comparison; the display is redrawn at most every ``refresh_s``
+seconds, and only a redraw looks at the loss. Non-main ranks print nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn
+from rich.table import Table
+
+MODES = ("auto", "rich", "plain")
+
+
+def format_duration(seconds: float) -> str:
+    """12.3s, 4m05s, 2h07m."""
+    if seconds != seconds or seconds == math.inf:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+class _LossReader:
+    """The latest loss value without stalling the device.
+
+    ``loss.item()`` on a GPU tensor waits for every queued kernel (a device sync):
+    once per step that would drain the launch queue and cost a real fraction of a
+    fast step. On CUDA we instead copy the loss into pinned host memory without
+    blocking and read it at a later redraw, once its event has completed; the
+    shown value lags by at most one redraw. CPU tensors are read directly.
+    """
+
+    def __init__(self) -> None:
+        self.value = float("nan")
+        self._host: torch.Tensor | None = None
+        self._event: Any = None  # torch.cuda.Event of the pending copy, or None
+
+    def update(self, loss: torch.Tensor | float | None) -> float:
+        if self._event is not None and self._event.query():
+            self.value = float(self._host)  # the copy has landed: reading pinned memory does not sync
+            self._event = None
+        if loss is None:
+            return self.value
+        if not isinstance(loss, torch.Tensor):
+            self.value = float(loss)
+        elif not loss.is_cuda:
+            self.value = float(loss.detach())  # CPU tensor: no device to wait for
+        elif self._event is None:  # one copy in flight at a time
+            if self._host is None:
+                self._host = torch.empty((), dtype=torch.float32, pin_memory=True)
+            self._host.copy_(loss.detach().float().reshape(()), non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        return self.value
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(label, value) pairs of the end-of-run summary from metrics.jsonl rows."""
+    if not rows:
+        return []
+    last = rows[-1]
+    evaluated = [r for r in rows if r.get("test_acc") is not None]
+    out: list[tuple[str, str]] = []
+    if evaluated:
+        best = max(evaluated, key=lambda r: r["test_acc"])
+        final = last.get("test_acc")
+        out.append(("final accuracy", "-" if final is None else f"{final:.4f}"))
+        out.append(("best accuracy", f"{best['test_acc']:.4f} (epoch {best['epoch']})"))
+    out.append(("final train loss", f"{last['train_loss']:.4f}"))
+    out.append(("epochs", str(last["epoch"])))
+    if "train_s" in last:
+        out.append(("training time", format_duration(last["train_s"])))
+    if "elapsed_s" in last:
+        out.append(("time with evaluation", format_duration(last["elapsed_s"])))
+    # images/s over the whole run: images seen divided by the time spent training
+    timed = [r for r in rows if r.get("epoch_s") and r.get("images_per_s")]
+    if timed:
+        images = sum(r["images_per_s"] * r["epoch_s"] for r in timed)
+        out.append(("images/s", f"{images / sum(r['epoch_s'] for r in timed):,.0f}"))
+    if "world_size" in last:
+        out.append(("world size", str(last["world_size"])))
+    return out
+
+
+class TrainingProgress:
+    """Live progress of a training run on the main rank.
+
+    ``mode``: "rich" (a live bar), "plain" (one line per epoch, and one every
+    ``plain_every_s`` seconds inside long epochs), or "auto" (rich when the
+    console is a terminal). Usage::
+
+        progress = TrainingProgress(cfg.run.progress, enabled=ctx.is_main)
+        try:
+            progress.start(epochs=E, steps_per_epoch=S, images_per_step=B)
+            for epoch ...:
+                for batch ...:
+                    ...
+                    progress.step(loss)
+                progress.epoch_end(row)
+            progress.finish(rows)
+        finally:
+            progress.close()
+    """
+
+    def __init__(
+        self,
+        mode: str = "auto",
+        *,
+        enabled: bool = True,
+        console: Console | None = None,
+        refresh_s: float = 0.25,
+        plain_every_s: float = 30.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"progress mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.enabled = enabled
+        self.console = console if console is not None else Console(file=sys.stdout)
+        self.mode = ("rich" if self.console.is_terminal else "plain") if mode == "auto" else mode
+        self.refresh_s = refresh_s
+        self.plain_every_s = plain_every_s
+        self.clock = clock
+        self._bar: Progress | None = None
+        self._task: Any = None
+        self._loss = _LossReader()
+        self._started = False
+
+    # -- the loop's calls ------------------------------------------------------------
+
+    def start(self, *, epochs: int, steps_per_epoch: int, images_per_step: int, start_epoch: int = 1) -> None:
+        """Begin the display; ``images_per_step`` is the global batch (all ranks)."""
+        if not self.enabled:
+            return
+        self.epochs = epochs
+        self.steps_per_epoch = steps_per_epoch
+        self.images_per_step = images_per_step
+        self.epoch = start_epoch
+        self.total_steps = max(0, epochs - start_epoch + 1) * steps_per_epoch
+        self.done = 0  # steps in this run
+        self.epoch_step = 0
+        self.acc: float | None = None
+        self.t_start = self.t_epoch = self.clock()
+        self._next_draw = self.t_start + self.refresh_s
+        self._next_plain = self.t_start + self.plain_every_s
+        self._started = True
+        if self.mode == "rich":
+            self._bar = Progress(
+                TextColumn("[bold]epoch {task.fields[epoch]}"),
+                BarColumn(),
+                TextColumn("step {task.fields[step]}"),
+                TextColumn("{task.fields[rate]} img/s"),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("acc {task.fields[acc]}"),
+                TextColumn("{task.fields[elapsed]} elapsed, [bold]{task.fields[left]}[/] left"),
+                console=self.console,
+                auto_refresh=False,  # we redraw from step(), so no thread competes with the loop
+            )
+            self._task = self._bar.add_task("train", total=max(self.total_steps, 1), **self._fields(self.clock()))
+            self._bar.start()
+
+    def step(self, loss: torch.Tensor | float | None = None) -> None:
+        """Count one optimizer step; redraws when ``refresh_s`` has passed.
+
+        ``loss`` is this step's loss on this rank (a tensor is fine: it is only
+        read at a redraw, without a device sync).
+        """
+        if not self._started:
+            return
+        self.done += 1
+        self.epoch_step += 1
+        now = self.clock()
+        if now < self._next_draw:
+            return
+        self._next_draw = now + self.refresh_s
+        self._loss.update(loss)
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, **self._fields(now))
+            self._bar.refresh()
+        elif now >= self._next_plain:
+            self._next_plain = now + self.plain_every_s
+            self._print_plain(self._line(now))
+
+    def epoch_end(self, row: dict[str, Any]) -> None:
+        """Report a finished epoch from its metrics row (``epoch``, ``train_loss``,
+        ``test_acc``, ``images_per_s``, ...)."""
+        if not self._started:
+            return
+        now = self.clock()
+        if row.get("test_acc") is not None:
+            self.acc = row["test_acc"]
+        acc = "-" if row.get("test_acc") is None else f"{row['test_acc']:.4f}"
+        line = (
+            f"epoch {row['epoch']}/{self.epochs}  loss {row['train_loss']:.4f}  acc {acc}  "
+            f"{row.get('images_per_s', 0):,.0f} img/s  {format_duration(now - self.t_start)} elapsed, "
+            f"{format_duration(self._left(now))} left"
+        )
+        if self._bar is not None:
+            self._bar.console.print(line)
+            fields = self._fields(now)  # the finished epoch stays on the bar until the next step
+            fields["rate"] = f"{row.get('images_per_s', 0):,.0f}"
+            self._bar.update(self._task, completed=self.done, **fields)
+            self._bar.refresh()
+        else:
+            self._print_plain(line)
+        self.epoch = row["epoch"] + 1
+        self.epoch_step = 0
+        self.t_epoch = now
+        self._next_plain = now + self.plain_every_s
+
+    def finish(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Stop the live display and print the summary of ``rows`` (metrics.jsonl)."""
+        if not self.enabled:
+            return
+        self.close()
+        summary = summarize(rows)
+        if not summary:
+            return
+        if self.mode == "rich":
+            table = Table(title="run summary", show_header=False)
+            table.add_column(style="bold")
+            table.add_column(justify="right")
+            for label, value in summary:
+                table.add_row(label, value)
+            self.console.print(table)
+        else:
+            width = max(len(label) for label, _ in summary)
+            self._print_plain("run summary\n" + "\n".join(f"  {label:<{width}}  {value}" for label, value in summary))
+
+    def close(self) -> None:
+        """Stop the live display (restores the cursor); safe to call twice."""
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        self._started = False
+
+    # -- formatting ------------------------------------------------------------------
+
+    def _left(self, now: float) -> float:
+        if self.done == 0:
+            return float("nan")
+        return (now - self.t_start) / self.done * (self.total_steps - self.done)
+
+    def _rate(self, now: float) -> float:
+        # Over the epoch so far, on the host clock. Without a sync the host may run a
+        # few steps ahead of the device; over an epoch that error is small.
+        dt = now - self.t_epoch
+        return self.epoch_step * self.images_per_step / dt if dt > 0 and self.epoch_step else float("nan")
+
+    def _fields(self, now: float) -> dict[str, str]:
+        rate = self._rate(now)
+        loss = self._loss.value
+        return {
+            "epoch": f"{self.epoch}/{self.epochs}",
+            "step": f"{self.epoch_step}/{self.steps_per_epoch}",
+            "rate": "-" if rate != rate else f"{rate:,.0f}",
+            "loss": "-" if loss != loss else f"{loss:.4f}",
+            "acc": "-" if self.acc is None else f"{self.acc:.4f}",
+            "elapsed": format_duration(now - self.t_start),
+            "left": format_duration(self._left(now)),
+        }
+
+    def _line(self, now: float) -> str:
+        f = self._fields(now)
+        return (
+            f"epoch {f['epoch']} step {f['step']}  loss {f['loss']}  {f['rate']} img/s  "
+            f"{f['elapsed']} elapsed, {f['left']} left"
+        )
+
+    def _print_plain(self, text: str) -> None:
+        out: TextIO = self.console.file
+        out.write(text + "\n")
+        out.flush()

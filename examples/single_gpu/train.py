@@ -1,0 +1,72 @@
+"""Train a small CNN on one device: the "before" of examples/single_gpu.
+
+python examples/single_gpu/train.py
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def synthetic_data(n_train: int, n_test: int, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """Noisy copies of ten random 3x16x16 class templates: learnable in a few epochs on a CPU."""
+    g = torch.Generator().manual_seed(seed)
+    templates = torch.randn(10, 3, 16, 16, generator=g)
+    y = torch.randint(0, 10, (n_train + n_test,), generator=g)
+    x = templates[y] + 2.0 * torch.randn(n_train + n_test, 3, 16, 16, generator=g)
+    return TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 4 * 4, 10),
+    )  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save", default="", help="write the final state_dict here")
+    args = p.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(args.seed)
+    train_ds, test_ds = synthetic_data(2048, 512)
+    train_loader = DataLoader(train_ds, batch_size=args.batch_size, shuffle=True)
+    test_loader = DataLoader(test_ds, batch_size=256)
+    model = make_model().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+    for epoch in range(args.epochs):
+        model.train()
+        total = 0.0
+        for x, y in train_loader:
+            x, y = x.to(device), y.to(device)
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += loss.item()
+        train_loss = total / len(train_loader)
+
+        model.eval()
+        correct = 0
+        with torch.no_grad():
+            for x, y in test_loader:
+                correct += (model(x.to(device)).argmax(1) == y.to(device)).sum().item()
+        print(f"epoch {epoch + 1}/{args.epochs}  loss {train_loss:.4f}  acc {correct / len(test_ds):.4f}")
+
+    if args.save:
+        torch.save(model.state_dict(), args.save)
+
+
+if __name__ == "__main__":
+    main()

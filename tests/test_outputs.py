@@ -1,0 +1,128 @@
+"""What a run leaves in run.out_dir: the curves PNG, environment.json, and (end to
+end, under torchrun) the progress lines, the summary and the per-rank profile."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import distlib
+from distlib.environment import environment_json, git_commit
+from distlib.plots import CurvePlot, plot_curves
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ENV_KEYS = {
+    "distlib", "python", "platform", "hostname", "torch", "torchvision", "cuda", "cudnn", "nccl", "gpu_count",
+    "gpus", "world_size", "local_world_size", "nodes", "backend", "git", "argv", "ranks",
+}  # fmt: skip
+
+
+def rows(n: int, eval_every: int = 1) -> list[dict]:
+    return [
+        {"epoch": e, "train_loss": 2.0 / e, "test_acc": 0.1 * e if e % eval_every == 0 or e == n else None}
+        for e in range(1, n + 1)
+    ]
+
+
+def assert_png(path) -> None:
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:8] == PNG_MAGIC and len(data) > 5000
+
+
+def test_plot_curves_writes_a_png_also_with_skipped_evaluations(tmp_path):
+    plot_curves(rows(6, eval_every=2), str(tmp_path / "sub" / "curves.png"), title="demo")
+    assert_png(tmp_path / "sub" / "curves.png")
+    assert os.listdir(tmp_path / "sub") == ["curves.png"]  # the temporary file is gone
+    plot_curves([{"epoch": 1, "train_loss": 1.0, "test_acc": None}], str(tmp_path / "one.png"))
+    assert_png(tmp_path / "one.png")
+
+
+def test_curve_plot_redraws_only_when_due_and_only_on_the_main_rank(tmp_path):
+    path = tmp_path / "curves.png"
+    plot = CurvePlot(str(path), rows(2), every_s=3600)
+    plot.add({"epoch": 3, "train_loss": 0.5, "test_acc": 0.4})
+    assert not path.exists()  # not due yet: training is not held up by drawing
+    plot.write()
+    assert_png(path)
+    assert [r["epoch"] for r in plot.rows] == [1, 2, 3]  # rows of a resumed run come first
+
+    eager = CurvePlot(str(tmp_path / "eager.png"), every_s=0)
+    eager.add(rows(1)[0])
+    assert_png(tmp_path / "eager.png")
+
+    other_rank = CurvePlot(str(tmp_path / "no.png"), rows(3), enabled=False, every_s=0)
+    other_rank.add(rows(1)[0])
+    other_rank.write()
+    assert not (tmp_path / "no.png").exists()
+
+
+def test_environment_at_world_size_1():
+    ctx = distlib.init("gloo")
+    try:
+        env = json.loads(environment_json(ctx))
+    finally:
+        distlib.shutdown()
+    assert ENV_KEYS <= set(env)
+    assert env["world_size"] == 1 and env["backend"] == "none" and env["nodes"] == 1
+    assert env["torch"] == torch.__version__ and env["distlib"] == distlib.__version__
+    assert env["gpu_count"] == torch.cuda.device_count() == len(env["gpus"])
+    assert [(r["rank"], r["hostname"], r["device"]) for r in env["ranks"]] == [(0, env["hostname"], "cpu")]
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_git_commit(tmp_path):
+    assert git_commit(str(tmp_path)) is None  # not a checkout
+
+    def git(*args):
+        return subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+            capture_output=True, text=True,
+        ).stdout.strip()  # fmt: skip
+
+    git("init", "-q")
+    (tmp_path / "f.txt").write_text("a")
+    git("add", "f.txt")
+    git("commit", "-qm", "one")
+    assert git_commit(str(tmp_path)) == {"commit": git("rev-parse", "HEAD"), "dirty": False}
+    (tmp_path / "f.txt").write_text("b")
+    assert git_commit(str(tmp_path))["dirty"] is True
+
+
+@pytest.mark.slow
+def test_launch_under_torchrun_leaves_its_outputs(tmp_path):
+    """Two ranks, plain progress (stdout is a pipe), profiling on: rank 0 alone prints;
+    every rank writes its own trace and table."""
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "launch.py",
+        "recipes/demo.yaml", f"run.out_dir={out}", "train.epochs=2", "data.train_subset=512",
+        "profile.enabled=true", "profile.wait=1", "profile.warmup=1", "profile.active=2",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+    lines = p.stdout.splitlines()
+    assert [line.split("  ")[0] for line in lines[:3]] == ["epoch 1/2", "epoch 2/2", "run summary"]
+    assert sum(line.startswith("epoch") for line in lines) == 2  # not once per rank
+    assert any(line.split() == ["world", "size", "2"] for line in lines)
+
+    assert {"config.yaml", "metrics.jsonl", "environment.json", "curves.png", "profile"} <= set(os.listdir(out))
+    assert_png(out / "curves.png")
+    env_json = json.loads((out / "environment.json").read_text())
+    assert ENV_KEYS <= set(env_json) and env_json["world_size"] == 2 and env_json["backend"] == "gloo"
+    assert [r["rank"] for r in env_json["ranks"]] == [0, 1]  # gathered from every rank
+    for rank in (0, 1):
+        trace = json.loads((out / "profile" / f"trace_rank{rank}.json").read_text())
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert {"ProfilerStep#2", "ProfilerStep#3"} <= names
+        assert any("all_reduce" in str(n) or "allreduce" in str(n) for n in names)  # the gradient sync is in it
+        assert "Self CPU" in (out / "profile" / f"table_rank{rank}.txt").read_text()
