@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
 import time
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import distlib
+from distlib.comm_fallback import Replicas, node_devices
 from distlib.config import ConfigError, dump_yaml, load_config
 from distlib.data import DataError, load_image_set
 from distlib.device_loader import DeviceLoader, eval_shards, normalize_stats
@@ -55,7 +57,8 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        ctx = distlib.init(cfg.dist.backend, cfg.dist.timeout_s)
+        gpus = max(1, torch.cuda.device_count()) if cfg.dist.mode == "fallback" else 1
+        ctx = distlib.init(cfg.dist.backend, cfg.dist.timeout_s, gpus_per_process=gpus)
     except distlib.EnvError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -92,7 +95,13 @@ def main(argv: list[str]) -> int:
         model = build_model(cfg.model.name, cfg.model.num_classes, cfg.model.width).to(ctx.device)
         if cfg.model.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        sync = distlib.GradSync(model, bucket_mb=cfg.dist.bucket_mb)
+        if cfg.dist.mode == "fallback":  # one process drives every GPU of its node: distlib/comm_fallback.py
+            devices = node_devices(ctx.device, ctx.local_world_size)
+            replicas = Replicas(model, devices, bucket_mb=cfg.dist.bucket_mb, cuda_graph=cfg.train.cuda_graph)
+            replicas.check_batch(per_rank, cfg.train.grad_accum)
+            loss_fn = functools.partial(F.cross_entropy, label_smoothing=cfg.train.label_smoothing)
+        else:
+            sync = distlib.GradSync(model, bucket_mb=cfg.dist.bucket_mb)
         opt = torch.optim.SGD(
             param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr,
             momentum=cfg.train.momentum, nesterov=cfg.train.nesterov,
@@ -118,6 +127,12 @@ def main(argv: list[str]) -> int:
             loss_sum = torch.zeros((), device=ctx.device)
             for x, y in loader:
                 x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+                if cfg.dist.mode == "fallback":  # split over the node's GPUs; root gets the averaged grads
+                    amp = torch.bfloat16 if use_bf16 else None
+                    loss_sum += replicas.train_step(x, y, loss_fn, autocast_dtype=amp, grad_accum=cfg.train.grad_accum)
+                    opt.step()
+                    sched.step()
+                    continue
                 for k in range(cfg.train.grad_accum):
                     last = k == cfg.train.grad_accum - 1
                     with contextlib.nullcontext() if last else sync.no_sync():
@@ -140,6 +155,8 @@ def main(argv: list[str]) -> int:
             last_epoch = epoch == cfg.train.epochs
             acc = float("nan")
             if last_epoch or epoch % cfg.train.eval_every == 0:
+                if cfg.dist.mode == "fallback":
+                    replicas.sync_buffers()  # BatchNorm statistics averaged over every GPU into the root
                 acc = evaluate(model, x_test, y_test, loader, ctx, autocast, tta=cfg.train.tta and last_epoch)
             train_loss = distlib.all_reduce(loss_sum, op="mean").item() / len(loader)
             row = {
