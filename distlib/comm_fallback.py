@@ -525,7 +525,7 @@ def _bench_setup(per_gpu_batch, devices, cuda_graph, bf16, channels_last, model_
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if devices is None else list(devices)
     if not devices:
         raise ValueError("benchmark_step needs at least one device (no GPU is visible)")
-    root = torch.device(devices[0])
+    root = torch.device("cuda", devices[0]) if isinstance(devices[0], int) else torch.device(devices[0])
     torch.manual_seed(seed)
     if root.type == "cuda":
         torch.backends.cudnn.benchmark = True
