@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -94,7 +95,11 @@ def main(argv: list[str]) -> int:
         ("fallback + CUDA graph, 1 GPU", [0], True),
     ]:
         t = time.perf_counter()
-        ips = benchmark_step(args.batch, args.steps, 10, devices=devices, cuda_graph=graph, model_fn=model_fn)
+        try:  # one failure must not cost the rest of the device call
+            ips = benchmark_step(args.batch, args.steps, 10, devices=devices, cuda_graph=graph, model_fn=model_fn)
+        except Exception:
+            print(f"  {name} FAILED:\n{traceback.format_exc()[-3000:]}", flush=True)
+            continue
         gpus = n if devices is None else len(devices)
         results[name] = {"images_per_s": ips, "step_ms": args.batch * gpus / ips * 1e3}
         print(f"  {name}: {ips:.0f} images/s ({time.perf_counter() - t:.0f} s)", flush=True)
@@ -106,8 +111,10 @@ def main(argv: list[str]) -> int:
         vs_dp = f"{r['images_per_s'] / dp:.1f}x" if dp else "-"
         vs_ddp = f"{r['images_per_s'] / ddp:.2f}x" if ddp else "-"
         print(f"| {name} | {r['images_per_s']:.0f} | {r['step_ms']:.2f} | {vs_dp} | {vs_ddp} |")
-    best = max(v["images_per_s"] for k, v in results.items() if k.startswith("fallback") and f"{n} GPUs" in k)
-    if dp and ddp:
+    best = max(
+        (v["images_per_s"] for k, v in results.items() if k.startswith("fallback") and f"{n} GPUs" in k), default=0
+    )
+    if dp and ddp and best:
         ok_dp, ok_ddp = best >= 50 * dp, best >= 0.9 * ddp
         print(f"\ntargets: fallback >= 50x nn.DataParallel: {best / dp:.1f}x {'MET' if ok_dp else 'MISSED'}; "
               f">= 0.9x DDP eager: {best / ddp:.2f}x {'MET' if ok_ddp else 'MISSED'}")  # fmt: skip
@@ -115,7 +122,11 @@ def main(argv: list[str]) -> int:
     breakdowns = {}
     for graph in (False, True):
         label = "per-replica CUDA graphs" if graph else "eager"
-        rows = step_breakdown(args.batch, 10, cuda_graph=graph, model_fn=model_fn)
+        try:
+            rows = step_breakdown(args.batch, 10, cuda_graph=graph, model_fn=model_fn)
+        except Exception:
+            print(f"\nbreakdown ({label}) FAILED:\n{traceback.format_exc()[-3000:]}", flush=True)
+            continue
         breakdowns[label] = rows
         print(f"\nwhere a fallback step's time goes ({label}, {n} GPUs; each phase alone, GPUs synced around it)")
         print("| phase | host ms (launch) | done ms (GPUs finished) |\n|---|---|---|")
