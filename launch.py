@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import distlib
+from distlib.comm_fallback import Replicas, node_devices
 from distlib.config import ConfigError, dump_yaml, load_config
 from distlib.data import DataError, load_image_set
 from distlib.device_loader import DeviceLoader, eval_shards, normalize_stats
@@ -61,7 +63,8 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        ctx = distlib.init(cfg.dist.backend, cfg.dist.timeout_s)
+        gpus = max(1, torch.cuda.device_count()) if cfg.dist.mode == "fallback" else 1
+        ctx = distlib.init(cfg.dist.backend, cfg.dist.timeout_s, gpus_per_process=gpus)
     except distlib.EnvError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -80,7 +83,6 @@ def main(argv: list[str]) -> int:
                 f"{ctx.world_size} ranks x train.grad_accum={cfg.train.grad_accum}"
             )
         per_rank = cfg.train.batch_size // ctx.world_size
-        torch.manual_seed(cfg.train.seed)
         if ctx.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
         if ctx.local_rank == 0:  # one decode per node; the others read the cache it leaves
@@ -101,10 +103,17 @@ def main(argv: list[str]) -> int:
         )  # fmt: skip
         x_test, y_test = images.x_test.to(data_device), images.y_test.to(data_device)
 
+        torch.manual_seed(cfg.train.seed)  # after the data: a first decode draws from the global generator
         model = build_model(cfg.model.name, cfg.model.num_classes, cfg.model.width).to(ctx.device)
         if cfg.model.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        sync = distlib.GradSync(model, bucket_mb=cfg.dist.bucket_mb)
+        if cfg.dist.mode == "fallback":  # one process drives every GPU of its node: distlib/comm_fallback.py
+            devices = node_devices(ctx.device, ctx.local_world_size)
+            replicas = Replicas(model, devices, bucket_mb=cfg.dist.bucket_mb, cuda_graph=cfg.train.cuda_graph)
+            replicas.check_batch(per_rank, cfg.train.grad_accum)
+            loss_fn = functools.partial(F.cross_entropy, label_smoothing=cfg.train.label_smoothing)
+        else:
+            sync = distlib.GradSync(model, bucket_mb=cfg.dist.bucket_mb)
         opt = torch.optim.SGD(
             param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr,
             momentum=cfg.train.momentum, nesterov=cfg.train.nesterov,
@@ -142,18 +151,23 @@ def main(argv: list[str]) -> int:
             loss_sum = torch.zeros((), device=ctx.device)
             for x, y in loader:
                 x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
-                for k in range(cfg.train.grad_accum):
-                    last = k == cfg.train.grad_accum - 1
-                    with contextlib.nullcontext() if last else sync.no_sync():
-                        with autocast:
-                            logits = model(x[k * micro : (k + 1) * micro])
-                            loss = F.cross_entropy(
-                                logits.float(), y[k * micro : (k + 1) * micro],
-                                label_smoothing=cfg.train.label_smoothing,
-                            )  # fmt: skip
-                        (loss / cfg.train.grad_accum).backward()
-                        sync.wait()
-                    loss_sum += loss.detach() / cfg.train.grad_accum
+                if cfg.dist.mode == "fallback":  # split over the node's GPUs; root gets the averaged grads
+                    amp = torch.bfloat16 if use_bf16 else None
+                    loss = replicas.train_step(x, y, loss_fn, autocast_dtype=amp, grad_accum=cfg.train.grad_accum)
+                    loss_sum += loss
+                else:
+                    for k in range(cfg.train.grad_accum):
+                        last = k == cfg.train.grad_accum - 1
+                        with contextlib.nullcontext() if last else sync.no_sync():
+                            with autocast:
+                                logits = model(x[k * micro : (k + 1) * micro])
+                                loss = F.cross_entropy(
+                                    logits.float(), y[k * micro : (k + 1) * micro],
+                                    label_smoothing=cfg.train.label_smoothing,
+                                )  # fmt: skip
+                            (loss / cfg.train.grad_accum).backward()
+                            sync.wait()
+                        loss_sum += loss.detach() / cfg.train.grad_accum
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 sched.step()
@@ -169,15 +183,12 @@ def main(argv: list[str]) -> int:
             acc = float("nan")
             if last_epoch or epoch % cfg.train.eval_every == 0:
                 t_eval = time.perf_counter()
+                if cfg.dist.mode == "fallback":
+                    replicas.sync_buffers()  # BatchNorm statistics averaged over every GPU into the root
                 acc = evaluate(
-                    ema.module if ema is not None else model,
-                    x_test,
-                    y_test,
-                    loader,
-                    ctx,
-                    autocast,
+                    ema.module if ema is not None else model, x_test, y_test, loader, ctx, autocast,
                     tta=cfg.train.tta and last_epoch,
-                )
+                )  # fmt: skip
                 if last_epoch:  # airbench's clock: training from the first step through the final evaluation
                     train_s += time.perf_counter() - t_eval
             train_loss = distlib.all_reduce(loss_sum, op="mean").item() / len(loader)

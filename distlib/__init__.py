@@ -8,6 +8,7 @@ distlib.shutdown()
 """
 
 from distlib.collectives import all_gather_object, all_reduce, barrier, broadcast, broadcast_object, reduce
+from distlib.comm_fallback import Replicas
 from distlib.grad_sync import GradSync
 from distlib.log import get_logger
 from distlib.process_group import Context, EnvError, init, shutdown
@@ -21,6 +22,7 @@ __all__ = [
     "EpochLoader",
     "ExactDistributedSampler",
     "GradSync",
+    "Replicas",
     "all_gather_object",
     "all_reduce",
     "barrier",
