@@ -62,15 +62,18 @@ def main(out: str) -> int:
     ar = bench.get("allreduce")
     if ar:
         anchor_bw = _anchor_busbw(_read(os.path.join(out, "anchor_allreduce_bw.log")))
-        title = f"## all_reduce fp32, {ar['world']} GPUs, bus bandwidth GB/s (buckets of {ar['bucket_mb']:g} MB)"
-        lines += ["", title, "", "| bytes | raw | bucketed (buckets) | bucketed / raw | anchor allreduce_bw.py |"]
-        lines.append("|---|---|---|---|---|")
+        alt = ar.get("also_bucket_mb", 0) > 0
+        title = f"## all_reduce fp32, {ar['world']} GPUs, bus bandwidth GB/s"
+        head = f"| bytes | raw | {ar['bucket_mb']:g} MB buckets (n) | ratio |"
+        head += f" {ar['also_bucket_mb']:g} MB buckets (n) | ratio |" if alt else ""
+        lines += ["", title, "", head + " anchor allreduce_bw.py |", "|---" * (7 if alt else 5) + "|"]
         for r in ar["rows"]:
             a = anchor_bw.get(r["bytes"])
-            lines.append(
-                f"| {r['bytes']} | {r['raw_busbw']:.1f} | {r['bucketed_busbw']:.1f} ({r['buckets']}) | "
-                f"{r['ratio']:.3f} | {a if a is not None else '-'} |"
-            )
+            line = f"| {r['bytes']} | {r['raw_busbw']:.1f} | {r['bucketed_busbw']:.1f} ({r['buckets']}) |"
+            line += f" {r['ratio']:.3f} |"
+            if alt:
+                line += f" {r['alt_bucketed_busbw']:.1f} ({r['alt_buckets']}) | {r['alt_ratio']:.3f} |"
+            lines.append(line + f" {a if a is not None else '-'} |")
         m = ar["model_sync"]
         lines.append(
             f"\nSynthetic {m['params'] / 1e6:.1f}M-parameter model ({m['buckets']} buckets): GradSync sync "

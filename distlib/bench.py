@@ -118,34 +118,38 @@ def bench_allreduce(args: argparse.Namespace, ctx) -> dict:
         buf = torch.randn(numel, device=device)
         iters = args.iters if mb < 64 else max(5, args.iters // 4)
         raw = _timed(lambda buf=buf: dist.all_reduce(buf), iters, 3, device)
-        views = [buf[a:b] for a, b in bucket_bounds(numel, 4, args.bucket_mb, args.first_bucket_mb)]
-
-        def bucketed(views=views):
-            works = []
-            for v in views:
-                if avg is None:
-                    v.div_(world)  # gloo has no AVG: GradSync pre-divides
-                works.append(dist.all_reduce(v, op=avg or dist.ReduceOp.SUM, async_op=True))
-            for w in works:
-                w.wait()
-
-        buck = _timed(bucketed, iters, 3, device)
         nbytes = numel * 4
-        rows.append(
-            {
-                "bytes": nbytes,
-                "raw_us": raw * 1e6,
-                "raw_busbw": _busbw(nbytes, raw, world),
-                "buckets": len(views),
-                "bucketed_us": buck * 1e6,
-                "bucketed_busbw": _busbw(nbytes, buck, world),
-                "ratio": raw / buck,
-            }
-        )
+        row = {"bytes": nbytes, "raw_us": raw * 1e6, "raw_busbw": _busbw(nbytes, raw, world)}
+        for key, bucket_mb in (("", args.bucket_mb), ("alt_", args.also_bucket_mb)):
+            if bucket_mb <= 0:
+                continue
+            views = [buf[a:b] for a, b in bucket_bounds(numel, 4, bucket_mb, args.first_bucket_mb)]
+
+            def bucketed(views=views):
+                works = []
+                for v in views:
+                    if avg is None:
+                        v.div_(world)  # gloo has no AVG: GradSync pre-divides
+                    works.append(dist.all_reduce(v, op=avg or dist.ReduceOp.SUM, async_op=True))
+                for w in works:
+                    w.wait()
+
+            buck = _timed(bucketed, iters, 3, device)
+            row[f"{key}buckets"] = len(views)
+            row[f"{key}bucketed_us"] = buck * 1e6
+            row[f"{key}bucketed_busbw"] = _busbw(nbytes, buck, world)
+            row[f"{key}ratio"] = raw / buck
+        rows.append(row)
     _free(device)
     model_sync = _bench_model_sync(args, ctx)
     _watchdog(0)
-    return {"rows": rows, "model_sync": model_sync, "bucket_mb": args.bucket_mb, "world": world}
+    return {
+        "rows": rows,
+        "model_sync": model_sync,
+        "bucket_mb": args.bucket_mb,
+        "also_bucket_mb": args.also_bucket_mb,
+        "world": world,
+    }
 
 
 class _Synthetic(nn.Module):
@@ -196,16 +200,22 @@ def _bench_model_sync(args: argparse.Namespace, ctx) -> dict:
 
 
 def format_allreduce(res: dict) -> str:
+    alt = res["also_bucket_mb"] > 0
     lines = [
         f"all_reduce fp32, {res['world']} ranks, bus bandwidth GB/s (nccl-tests definition); "
-        f"bucketed = GradSync's buckets of {res['bucket_mb']:g} MB launched back to back",
-        f"{'bytes':>12} {'raw us':>10} {'raw GB/s':>9} {'buckets':>8} {'bucketed us':>12} {'GB/s':>8} {'ratio':>6}",
+        f"bucketed = GradSync's buckets of {res['bucket_mb']:g} MB launched back to back"
+        + (f" (and of {res['also_bucket_mb']:g} MB)" if alt else ""),
+        f"{'bytes':>12} {'raw us':>10} {'raw GB/s':>9} {'buckets':>8} {'bucketed us':>12} {'GB/s':>8} {'ratio':>6}"
+        + (f" {'buckets':>8} {'GB/s':>8} {'ratio':>6}" if alt else ""),
     ]
     for r in res["rows"]:
-        lines.append(
+        line = (
             f"{r['bytes']:>12} {r['raw_us']:>10.1f} {r['raw_busbw']:>9.2f} {r['buckets']:>8} "
             f"{r['bucketed_us']:>12.1f} {r['bucketed_busbw']:>8.2f} {r['ratio']:>6.3f}"
         )
+        if alt:
+            line += f" {r['alt_buckets']:>8} {r['alt_bucketed_busbw']:>8.2f} {r['alt_ratio']:>6.3f}"
+        lines.append(line)
     m = res["model_sync"]
     lines.append(
         f"synthetic model, {m['params'] / 1e6:.1f}M params ({m['bytes'] / _MB:.0f} MB of fp32 gradients), "
@@ -434,6 +444,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--sizes-mb", type=_floats, default=[1, 4, 16, 64, 256, 1024], help="comma-separated (default 1,...,1024)"
     )
     ar.add_argument("--iters", type=int, default=20, help="timed iterations per size (a quarter from 64 MB)")
+    ar.add_argument(
+        "--also-bucket-mb", type=float, default=100.0, help="a second bucket size to compare (0: none; default 100)"
+    )
     ar.add_argument("--model-params", type=float, default=100e6, help="synthetic model size (default 100e6)")
 
     st = argparse.ArgumentParser(add_help=False)
