@@ -374,6 +374,23 @@ class GradSync:
             if s.param.grad is not s.view:
                 s.param.grad = s.view
 
+    @torch.no_grad()
+    def sync_buffers(self) -> None:
+        """Average the floating-point buffers (BatchNorm running statistics) over the ranks and take
+        rank 0's other buffers, e.g. before evaluating. A collective: every rank must call it."""
+        if self.world_size == 1:
+            return
+        floats = [b for b in self.model.buffers() if b.is_floating_point()]
+        others = [b for b in self.model.buffers() if not b.is_floating_point()]
+        for dtype in {b.dtype for b in floats}:
+            group = [b for b in floats if b.dtype == dtype]
+            flat = torch.cat([b.reshape(-1) for b in group])
+            collectives.all_reduce(flat, op="mean")
+            for b, part in zip(group, flat.split([b.numel() for b in group])):
+                b.copy_(part.view(b.shape))
+        for b in others:
+            dist.broadcast(b, src=0)
+
     def bucket_sizes(self) -> list[int]:
         """Bytes of each bucket, in launch order."""
         return [b.flat.numel() * b.flat.element_size() for b in self.buckets]

@@ -181,17 +181,23 @@ def test_unused_frozen_data_dependent_and_no_sync():
         assert res["branch_on_rank0_only"]["grads"]["branch.weight"] > 0  # rank 1 received rank 0's gradient
 
 
-def _compressed(ctx):
+def _compressed_and_buffers(ctx):
     exact = _train(ctx, {}, {"bucket_mb": 0.004, "first_bucket_mb": 0.001}, "none")
     bf16 = _train(ctx, {}, {"bucket_mb": 0.004, "first_bucket_mb": 0.001, "compress": "bf16"}, "none")
-    return exact, bf16
+    bn = nn.BatchNorm1d(3)
+    sync = GradSync(bn)
+    bn.running_mean.fill_(float(ctx.rank))
+    bn.num_batches_tracked.fill_(10 + ctx.rank)
+    sync.sync_buffers()
+    return exact, bf16, bn.running_mean.tolist(), bn.num_batches_tracked.item()
 
 
-def test_bf16_compression_close_to_exact():
-    for exact, bf16 in run_ranks(_compressed, 2):
+def test_bf16_compression_close_to_exact_and_buffer_sync():
+    for exact, bf16, mean, tracked in run_ranks(_compressed_and_buffers, 2):
         assert bf16["comp"] and set(bf16["comp"]) == {"torch.bfloat16"}
         assert bf16["diff"] < 5e-3, bf16["diff"]  # bf16 rounding of the averaged gradients
         assert exact["diff"] < 1e-5
+        assert mean == [0.5, 0.5, 0.5] and tracked == 10  # running statistics averaged, counters from rank 0
 
 
 class Chain(nn.Module):
