@@ -7,6 +7,7 @@
 # 1. python -m distlib.bench all on 2 GPUs: all_reduce bus bandwidth (raw vs GradSync's buckets,
 #    1 MB ... 1 GB, a synthetic 100M-parameter model) and ResNet18-CIFAR images/s at 512 per GPU
 #    for single-eager, single-graph, ddp-eager, distlib-eager and distlib-graph   -> bench.json
+#    (and, where distlib/comm_fallback.py exists, the fallback mode: one process, both GPUs)
 # 2. the anchors in the same call: rn18_throughput.py MODE=single and MODE=ddp, allreduce_bw.py
 # 3. the GPU tests: NCCL equivalence on 2 GPUs, captured step == eager step on 1 and 2 GPUs
 # 4. anchor/graph_step.py on 2 processes under a hang alarm: where it hangs (see distlib/cuda_graph.py)
@@ -35,10 +36,13 @@ part() {  # part NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/NAM
 { nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())'; } >"$OUT/env.log" 2>&1
 cat "$OUT/env.log"
 
-TAIL=45 part bench 210 $TORCHRUN -m distlib.bench all --json "$OUT/bench.json" --hang-timeout-s 90
+TAIL=45 part bench 200 $TORCHRUN -m distlib.bench all --json "$OUT/bench.json" --hang-timeout-s 90
+if [ -f distlib/comm_fallback.py ]; then  # issue 4's mode, once merged: one process drives both GPUs
+    part bench_fallback 50 python3 -m distlib.bench step --modes fallback --json "$OUT/bench_fallback.json"
+fi
 part anchor_single 55 env MODE=single BATCH=512 python3 "$ANCHOR/rn18_throughput.py"
 part anchor_ddp 65 env MODE=ddp BATCH=512 $TORCHRUN "$ANCHOR/rn18_throughput.py"
 part anchor_allreduce_bw 45 $TORCHRUN "$ANCHOR/allreduce_bw.py"
-part gpu_tests 130 python3 -m pytest -m gpu tests/test_grad_sync.py -q -p no:cacheprovider
+part gpu_tests 120 python3 -m pytest -m gpu tests/test_grad_sync.py -q -p no:cacheprovider
 part graph_step_probe 45 env BATCH=512 $TORCHRUN bench/hang_probe.py 32 "$ANCHOR/graph_step.py"
 python3 bench/gradsync_report.py "$OUT"

@@ -48,6 +48,10 @@ def main(out: str) -> int:
     ddp = _anchor_ips(_read(os.path.join(out, "anchor_ddp.log")))
     lines += ["| mode | GPUs | step ms | images/s | vs ddp-eager row | vs anchor DDP |", "|---|---|---|---|---|---|"]
     steps = bench.get("step", [])
+    fallback_json = os.path.join(out, "bench_fallback.json")
+    if os.path.exists(fallback_json):  # the fallback mode runs as its own single process
+        with open(fallback_json) as f:
+            steps = [r for r in steps if r["mode"] != "fallback"] + json.load(f).get("step", [])
     ours_ddp = next((r["images_per_s"] for r in steps if r["mode"] == "ddp-eager" and not r["note"]), None)
     for r in steps:
         if r["note"]:

@@ -315,26 +315,25 @@ def _run_mode(mode: str, args, ctx) -> StepResult:
 
 
 def fallback_step(args: argparse.Namespace) -> StepResult:
-    """Slot for the fallback mode of issue 4 (one process drives every GPU of its node with
-    torch.cuda.comm). It calls ``distlib.comm_fallback.bench_step(model_name=, per_gpu_batch=,
-    steps=, warmup=, precision=, channels_last=)``, which must return a dict with at least
-    ``images_per_s``, ``step_ms`` and ``gpus``; until that exists the mode reports 'not available'."""
+    """The fallback mode of issue 4: one process drives every GPU of its node (torch.cuda.comm),
+    measured by ``distlib.comm_fallback.benchmark_step`` (with its per-GPU CUDA graphs). Reports
+    'not available' where that module or a GPU is missing."""
     try:
-        from distlib import comm_fallback
+        from distlib.comm_fallback import benchmark_step
     except ImportError:
-        raise BenchUnavailable("not available: distlib/comm_fallback.py does not exist yet") from None
-    fn = getattr(comm_fallback, "bench_step", None)
-    if fn is None:
-        raise BenchUnavailable("not available: distlib.comm_fallback has no bench_step(...) yet")
-    r = fn(
-        model_name=args.model,
-        per_gpu_batch=args.batch,
+        raise BenchUnavailable("not available: distlib.comm_fallback.benchmark_step does not exist here") from None
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        raise BenchUnavailable("not available: the fallback mode drives GPUs and none is visible")
+    ips = benchmark_step(
+        args.batch,
         steps=args.steps,
         warmup=args.warmup,
-        precision=args.precision,
+        bf16=args.precision == "bf16",
         channels_last=args.channels_last,
+        model_fn=lambda: build_model(args.model, 10, args.width),
     )
-    return StepResult("fallback", int(r["gpus"]), args.batch, float(r["step_ms"]), float(r["images_per_s"]))
+    return StepResult("fallback", gpus, args.batch, args.batch * gpus / ips * 1e3, ips, extra={"cuda_graph": True})
 
 
 def bench_step(args: argparse.Namespace, ctx) -> list[StepResult]:
