@@ -20,6 +20,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import distlib
 from distlib.comm_fallback import Replicas, node_devices
 from distlib.config import ConfigError, dump_yaml, load_config
+from distlib.cuda_graph import build_train_step
 from distlib.data import DataError, load_image_set
 from distlib.device_loader import DeviceLoader, eval_shards, normalize_stats
 from distlib.environment import environment_json
@@ -113,10 +114,11 @@ def main(argv: list[str]) -> int:
             replicas.check_batch(per_rank, cfg.train.grad_accum)
             loss_fn = functools.partial(F.cross_entropy, label_smoothing=cfg.train.label_smoothing)
         else:
-            sync = distlib.GradSync(model, bucket_mb=cfg.dist.bucket_mb)
+            sync = distlib.GradSync(model, bucket_mb=cfg.dist.bucket_mb, compress=cfg.dist.compress)
         opt = torch.optim.SGD(
             param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr,
             momentum=cfg.train.momentum, nesterov=cfg.train.nesterov,
+            fused=True if cfg.train.cuda_graph and ctx.device.type == "cuda" else None,  # graphs need fused
         )  # fmt: skip
         # weight averaging: evaluate an EMA of the weights (and BN buffers) when train.ema > 0
         ema = (
@@ -127,6 +129,17 @@ def main(argv: list[str]) -> int:
         sched = warmup_linear(opt, cfg.train.epochs * len(loader), cfg.train.warmup_frac)
         use_bf16 = cfg.train.precision == "bf16" and ctx.device.type == "cuda"
         autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=use_bf16)
+
+        def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with autocast:
+                return F.cross_entropy(model(x).float(), y, label_smoothing=cfg.train.label_smoothing)
+
+        # train.cuda_graph: the whole step replayed as one CUDA graph (None: eager, with a warning why)
+        graph_step = None
+        if cfg.dist.mode != "fallback":  # (the fallback mode captures its own per-GPU graphs)
+            graph_step = build_train_step(
+                cfg.train.cuda_graph, model, opt, loss_of, sync, grad_accum=cfg.train.grad_accum
+            )
         run = RunDir(cfg.run.out_dir, ctx.is_main)
         run.write_text("config.yaml", dump_yaml(cfg))
         run.start_metrics(0)
@@ -155,21 +168,20 @@ def main(argv: list[str]) -> int:
                     amp = torch.bfloat16 if use_bf16 else None
                     loss = replicas.train_step(x, y, loss_fn, autocast_dtype=amp, grad_accum=cfg.train.grad_accum)
                     loss_sum += loss
+                elif graph_step is not None:
+                    loss = graph_step(x, y)  # forward, backward, all_reduce and SGD: one graph replay
+                    loss_sum += loss
                 else:
                     for k in range(cfg.train.grad_accum):
                         last = k == cfg.train.grad_accum - 1
                         with contextlib.nullcontext() if last else sync.no_sync():
-                            with autocast:
-                                logits = model(x[k * micro : (k + 1) * micro])
-                                loss = F.cross_entropy(
-                                    logits.float(), y[k * micro : (k + 1) * micro],
-                                    label_smoothing=cfg.train.label_smoothing,
-                                )  # fmt: skip
+                            loss = loss_of(x[k * micro : (k + 1) * micro], y[k * micro : (k + 1) * micro])
                             (loss / cfg.train.grad_accum).backward()
                             sync.wait()
                         loss_sum += loss.detach() / cfg.train.grad_accum
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                if graph_step is None:  # the graph steps the optimizer itself
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
                 sched.step()
                 if ema is not None:
                     ema.update_parameters(model)

@@ -164,6 +164,9 @@ def shutdown() -> None:
     """
     global _CONTEXT
     _CONTEXT = None
+    from distlib.cuda_graph import release_graphs
+
+    release_graphs()  # a live graph holding NCCL work makes ncclCommDestroy wait forever
     if not dist.is_initialized():
         return
     try:

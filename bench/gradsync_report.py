@@ -1,0 +1,105 @@
+"""Side-by-side summary of one gpu_gradsync.sh run: distlib's benchmark against the anchors.
+
+    python3 bench/gradsync_report.py OUT_DIR      # reads bench.json and the anchor logs there
+
+Prints a Markdown summary (also written to OUT_DIR/gradsync_summary.md) for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _anchor_ips(text: str) -> float | None:
+    m = re.search(r"RESULT .*images_per_s=(\d+)", text)
+    return float(m.group(1)) if m else None
+
+
+def _anchor_busbw(text: str) -> dict[int, float]:
+    rows = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0].isdigit():
+            rows[int(parts[0])] = float(parts[2])
+    return rows
+
+
+def main(out: str) -> int:
+    lines = ["# gradsync GPU run", ""]
+    bench = {}
+    if os.path.exists(os.path.join(out, "bench.json")):
+        with open(os.path.join(out, "bench.json")) as f:
+            bench = json.load(f)
+    env = bench.get("environment", {})
+    lines.append(f"torch {env.get('torch')}, CUDA {env.get('cuda')}, NCCL {env.get('nccl')}, GPUs {env.get('gpus')}")
+    lines += ["", "## Training step, ResNet18-CIFAR, 512 images per GPU, bf16, channels_last", ""]
+    single = _anchor_ips(_read(os.path.join(out, "anchor_single.log")))
+    ddp = _anchor_ips(_read(os.path.join(out, "anchor_ddp.log")))
+    lines += ["| mode | GPUs | step ms | images/s | vs ddp-eager row | vs anchor DDP |", "|---|---|---|---|---|---|"]
+    steps = bench.get("step", [])
+    fallback_json = os.path.join(out, "bench_fallback.json")
+    if os.path.exists(fallback_json):  # the fallback mode runs as its own single process
+        with open(fallback_json) as f:
+            steps = [r for r in steps if r["mode"] != "fallback"] + json.load(f).get("step", [])
+    ours_ddp = next((r["images_per_s"] for r in steps if r["mode"] == "ddp-eager" and not r["note"]), None)
+    for r in steps:
+        if r["note"]:
+            lines.append(f"| {r['mode']} | - | - | - | {r['note']} | |")
+            continue
+        v1 = f"{r['images_per_s'] / ours_ddp:.3f}" if ours_ddp else "-"
+        v2 = f"{r['images_per_s'] / ddp:.3f}" if ddp else "-"
+        lines.append(f"| {r['mode']} | {r['world']} | {r['step_ms']:.2f} | {r['images_per_s']:.0f} | {v1} | {v2} |")
+    lines.append(f"| anchor rn18_throughput MODE=single | 1 | | {single or '-'} | | |")
+    lines.append(f"| anchor rn18_throughput MODE=ddp | 2 | | {ddp or '-'} | | 1.000 |")
+
+    ar = bench.get("allreduce")
+    if ar:
+        anchor_bw = _anchor_busbw(_read(os.path.join(out, "anchor_allreduce_bw.log")))
+        alt = ar.get("also_bucket_mb", 0) > 0
+        title = f"## all_reduce fp32, {ar['world']} GPUs, bus bandwidth GB/s"
+        head = f"| bytes | raw | {ar['bucket_mb']:g} MB buckets (n) | ratio |"
+        head += f" {ar['also_bucket_mb']:g} MB buckets (n) | ratio |" if alt else ""
+        lines += ["", title, "", head + " anchor allreduce_bw.py |", "|---" * (7 if alt else 5) + "|"]
+        for r in ar["rows"]:
+            a = anchor_bw.get(r["bytes"])
+            line = f"| {r['bytes']} | {r['raw_busbw']:.1f} | {r['bucketed_busbw']:.1f} ({r['buckets']}) |"
+            line += f" {r['ratio']:.3f} |"
+            if alt:
+                line += f" {r['alt_bucketed_busbw']:.1f} ({r['alt_buckets']}) | {r['alt_ratio']:.3f} |"
+            lines.append(line + f" {a if a is not None else '-'} |")
+        m = ar["model_sync"]
+        lines.append(
+            f"\nSynthetic {m['params'] / 1e6:.1f}M-parameter model ({m['buckets']} buckets): GradSync sync "
+            f"{m['sync_ms']:.2f} ms ({m['sync_busbw']:.1f} GB/s) vs one raw all_reduce {m['raw_ms']:.2f} ms "
+            f"({m['raw_busbw']:.1f} GB/s): {m['ratio']:.3f}."
+        )
+    if bench.get("summary"):
+        lines += ["", "## Targets", ""] + [f"- {k}: {v}" for k, v in bench["summary"].items()]
+    probe = _read(os.path.join(out, "graph_step_probe.log"))
+    if probe:
+        where = [ln.strip() for ln in probe.splitlines() if "graph_step.py" in ln and "line" in ln]
+        lines += ["", "## anchor/graph_step.py with 2 processes (hang probe)", ""]
+        lines.append("RESULT printed: " + ("yes" if "RESULT" in probe else "no"))
+        lines.append("returned: " + ("yes" if "returned" in probe else "no"))
+        if where:
+            lines.append("stuck at (innermost graph_step.py frame per rank): " + "; ".join(sorted(set(where))))
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(os.path.join(out, "gradsync_summary.md"), "w") as f:
+        f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", ".bench/out")))

@@ -1,0 +1,511 @@
+"""Benchmarks: all_reduce bus bandwidth and training-step throughput.
+
+    torchrun --nproc-per-node=2 -m distlib.bench all          # both, on 2 GPUs (NCCL)
+    torchrun --nproc-per-node=2 -m distlib.bench allreduce    # bus bandwidth table, like nccl-tests
+    torchrun --nproc-per-node=2 -m distlib.bench step         # ResNet18-CIFAR images/s per mode
+    python -m distlib.bench step --modes single-eager,single-graph   # one process
+    python -m distlib.bench step --modes fallback             # one process driving every GPU
+
+allreduce: raw ``torch.distributed.all_reduce`` of one buffer against GradSync's bucketed
+all_reduce of the same bytes (a small first bucket, then ``--bucket-mb`` each, launched back to
+back, as GradSync does), and the gradient sync of a synthetic ``--model-params`` model through a
+real GradSync. Bus bandwidth as nccl-tests defines it: bytes * 2 (n - 1) / n / time.
+
+step: training images/s on synthetic data kept on the device (bf16 autocast and channels_last on
+GPUs), ``--batch`` images per GPU, for the modes single-eager, single-graph (one GPU each, every
+rank alone), ddp-eager (DistributedDataParallel, the anchor), distlib-eager, distlib-graph
+(GradSync, without and with whole-step CUDA graph capture) and fallback (one process drives all
+its GPUs: distlib.comm_fallback, issue 4). Runs on CPU/gloo too, with small sizes.
+
+The last lines printed are a short summary table; ``--json PATH`` writes every result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import distlib
+from distlib.cuda_graph import CapturedStep
+from distlib.grad_sync import GradSync
+from distlib.models import build_model
+
+MODES = ("single-eager", "single-graph", "ddp-eager", "distlib-eager", "distlib-graph", "fallback")
+MULTI_RANK = ("ddp-eager", "distlib-eager", "distlib-graph")
+_MB = 2**20
+
+
+class BenchUnavailable(RuntimeError):
+    """A mode that cannot run here (the message says why); reported in the table, not fatal."""
+
+
+# ---- helpers ------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    return distlib.all_reduce(t, op="max").item()
+
+
+def _timed(fn: Callable[[], None], iters: int, warmup: int, device: torch.device) -> float:
+    """Seconds per call of ``fn``, the slowest rank's (every rank must call it)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    distlib.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(device)
+    return _max_over_ranks((time.perf_counter() - t0) / iters, device)
+
+
+def _busbw(nbytes: int, seconds: float, world: int) -> float:
+    """GB/s as nccl-tests defines bus bandwidth for all_reduce."""
+    return nbytes * 2 * (world - 1) / world / seconds / 1e9
+
+
+def bucket_bounds(numel: int, element_size: int, bucket_mb: float, first_bucket_mb: float) -> list[tuple[int, int]]:
+    """(start, stop) element ranges of a flat buffer cut as GradSync cuts its buckets."""
+    bounds, start = [], 0
+    cap = int(first_bucket_mb * _MB) // element_size
+    while start < numel:
+        stop = min(numel, start + max(cap, 1))
+        bounds.append((start, stop))
+        start = stop
+        cap = int(bucket_mb * _MB) // element_size
+    return bounds
+
+
+def _watchdog(seconds: float) -> None:
+    """Dump every thread's stack and exit if the next phase hangs (a hang must say where)."""
+    faulthandler.cancel_dump_traceback_later()
+    if seconds > 0:
+        faulthandler.dump_traceback_later(seconds, exit=True)
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+# ---- allreduce ----------------------------------------------------------------------------
+def bench_allreduce(args: argparse.Namespace, ctx) -> dict:
+    world = ctx.world_size
+    if world < 2:
+        raise BenchUnavailable("allreduce needs >= 2 ranks: start it with torchrun --nproc-per-node=N")
+    device = ctx.device
+    avg = dist.ReduceOp.AVG if ctx.backend == "nccl" else None
+    rows = []
+    for mb in args.sizes_mb:
+        _watchdog(args.hang_timeout_s)
+        numel = max(1, int(mb * _MB) // 4)
+        buf = torch.randn(numel, device=device)
+        iters = args.iters if mb < 64 else max(5, args.iters // 4)
+        raw = _timed(lambda buf=buf: dist.all_reduce(buf), iters, 3, device)
+        nbytes = numel * 4
+        row = {"bytes": nbytes, "raw_us": raw * 1e6, "raw_busbw": _busbw(nbytes, raw, world)}
+        for key, bucket_mb in (("", args.bucket_mb), ("alt_", args.also_bucket_mb)):
+            if bucket_mb <= 0:
+                continue
+            views = [buf[a:b] for a, b in bucket_bounds(numel, 4, bucket_mb, args.first_bucket_mb)]
+
+            def bucketed(views=views):
+                works = []
+                for v in views:
+                    if avg is None:
+                        v.div_(world)  # gloo has no AVG: GradSync pre-divides
+                    works.append(dist.all_reduce(v, op=avg or dist.ReduceOp.SUM, async_op=True))
+                for w in works:
+                    w.wait()
+
+            buck = _timed(bucketed, iters, 3, device)
+            row[f"{key}buckets"] = len(views)
+            row[f"{key}bucketed_us"] = buck * 1e6
+            row[f"{key}bucketed_busbw"] = _busbw(nbytes, buck, world)
+            row[f"{key}ratio"] = raw / buck
+        rows.append(row)
+    _free(device)
+    model_sync = _bench_model_sync(args, ctx)
+    _watchdog(0)
+    return {
+        "rows": rows,
+        "model_sync": model_sync,
+        "bucket_mb": args.bucket_mb,
+        "also_bucket_mb": args.also_bucket_mb,
+        "world": world,
+    }
+
+
+class _Synthetic(nn.Module):
+    """``n_params`` parameters in equal 2-D tensors (about 2M elements each): a stand-in for a
+    large model's gradients."""
+
+    def __init__(self, n_params: int):
+        super().__init__()
+        per = max(1, min(2**21, n_params // 8))
+        cols = 1024 if per >= 1024 else per
+        count = max(1, n_params // (per - per % cols))
+        self.weights = nn.ParameterList(nn.Parameter(torch.zeros(per // cols, cols)) for _ in range(count))
+
+
+def _bench_model_sync(args: argparse.Namespace, ctx) -> dict:
+    """GradSync's sync time for a synthetic model with every gradient ready at once (no backward
+    to overlap with), against one raw all_reduce of the same bytes."""
+    _watchdog(args.hang_timeout_s)
+    device, world = ctx.device, ctx.world_size
+    model = _Synthetic(int(args.model_params)).to(device)
+    sync = GradSync(model, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    order = sorted(sync._slots, key=lambda s: -s.index)  # backward order: last layer first
+
+    def step():
+        for s in order:
+            sync._on_ready(s)
+        sync.wait()
+
+    step()  # the first synced step attaches the bucket views (and settles the layout)
+    seconds = _timed(step, max(3, args.iters // 4), 2, device)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    flat = torch.randn(nbytes // 4, device=device)
+    raw = _timed(lambda: dist.all_reduce(flat), max(3, args.iters // 4), 2, device)
+    out = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "bytes": nbytes,
+        "buckets": len(sync.buckets),
+        "sync_ms": seconds * 1e3,
+        "sync_busbw": _busbw(nbytes, seconds, world),
+        "raw_ms": raw * 1e3,
+        "raw_busbw": _busbw(nbytes, raw, world),
+        "ratio": raw / seconds,
+    }
+    sync.close()
+    return out
+
+
+def format_allreduce(res: dict) -> str:
+    alt = res["also_bucket_mb"] > 0
+    lines = [
+        f"all_reduce fp32, {res['world']} ranks, bus bandwidth GB/s (nccl-tests definition); "
+        f"bucketed = GradSync's buckets of {res['bucket_mb']:g} MB launched back to back"
+        + (f" (and of {res['also_bucket_mb']:g} MB)" if alt else ""),
+        f"{'bytes':>12} {'raw us':>10} {'raw GB/s':>9} {'buckets':>8} {'bucketed us':>12} {'GB/s':>8} {'ratio':>6}"
+        + (f" {'buckets':>8} {'GB/s':>8} {'ratio':>6}" if alt else ""),
+    ]
+    for r in res["rows"]:
+        line = (
+            f"{r['bytes']:>12} {r['raw_us']:>10.1f} {r['raw_busbw']:>9.2f} {r['buckets']:>8} "
+            f"{r['bucketed_us']:>12.1f} {r['bucketed_busbw']:>8.2f} {r['ratio']:>6.3f}"
+        )
+        if alt:
+            line += f" {r['alt_buckets']:>8} {r['alt_bucketed_busbw']:>8.2f} {r['alt_ratio']:>6.3f}"
+        lines.append(line)
+    m = res["model_sync"]
+    lines.append(
+        f"synthetic model, {m['params'] / 1e6:.1f}M params ({m['bytes'] / _MB:.0f} MB of fp32 gradients), "
+        f"{m['buckets']} buckets: GradSync sync {m['sync_ms']:.3f} ms = {m['sync_busbw']:.2f} GB/s; "
+        f"one raw all_reduce {m['raw_ms']:.3f} ms = {m['raw_busbw']:.2f} GB/s; ratio {m['ratio']:.3f}"
+    )
+    return "\n".join(lines)
+
+
+# ---- step ---------------------------------------------------------------------------------
+@dataclass
+class StepResult:
+    mode: str
+    world: int = 0
+    per_gpu_batch: int = 0
+    step_ms: float | None = None
+    images_per_s: float | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _make_inputs(args, device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(args.batch, 3, args.image_size, args.image_size, generator=g).to(device)
+    if args.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x, torch.randint(0, 10, (args.batch,), generator=g).to(device)
+
+
+def _build(args, device, fused: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = build_model(args.model, 10, args.width).to(device)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    kw = {"fused": True} if fused else {}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4, **kw)
+    return model, opt
+
+
+def _loss_fn(model: nn.Module, device: torch.device, bf16: bool) -> Callable[..., torch.Tensor]:
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+
+    def loss_fn(x, y):
+        with autocast:
+            return F.cross_entropy(model(x), y, label_smoothing=0.2)
+
+    return loss_fn
+
+
+def _run_mode(mode: str, args, ctx) -> StepResult:
+    device = ctx.device
+    world = ctx.world_size
+    bf16 = args.precision == "bf16" and device.type == "cuda"
+    graph = mode.endswith("graph")
+    if mode in MULTI_RANK and world < 2:
+        raise BenchUnavailable("needs >= 2 ranks (torchrun --nproc-per-node=N)")
+    if graph and device.type != "cuda":
+        raise BenchUnavailable("CUDA graphs need a GPU")
+    model, opt = _build(args, device, fused=graph)
+    x, y = _make_inputs(args, device)
+    sync = None
+    net = model
+    extra: dict = {}
+    if mode == "ddp-eager":
+        net = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=args.bucket_mb
+        )
+    elif mode.startswith("distlib"):
+        sync = GradSync(model, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
+    loss_fn = _loss_fn(net, device, bf16)
+    captured = None
+    if graph:
+        captured = CapturedStep(model, opt, loss_fn, sync, warmup_steps=3)
+
+        def step():
+            captured(x, y)
+    else:
+
+        def step():
+            loss = loss_fn(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if sync is not None:
+                sync.wait()
+            opt.step()
+
+    seconds = _timed(step, args.steps, args.warmup, device)
+    if sync is not None:
+        extra["bucket_mb"] = [round(b / _MB, 2) for b in sync.bucket_sizes()]
+    if captured is not None:
+        extra["captured"] = captured.captured
+        captured.close()
+    used = world if mode in MULTI_RANK else 1
+    if sync is not None:
+        sync.close()
+    return StepResult(mode, used, args.batch, seconds * 1e3, args.batch * used / seconds, extra=extra)
+
+
+def fallback_step(args: argparse.Namespace) -> StepResult:
+    """The fallback mode of issue 4: one process drives every GPU of its node (torch.cuda.comm),
+    measured by ``distlib.comm_fallback.benchmark_step`` (with its per-GPU CUDA graphs). Reports
+    'not available' where that module or a GPU is missing."""
+    try:
+        from distlib.comm_fallback import benchmark_step
+    except ImportError:
+        raise BenchUnavailable("not available: distlib.comm_fallback.benchmark_step does not exist here") from None
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        raise BenchUnavailable("not available: the fallback mode drives GPUs and none is visible")
+    ips = benchmark_step(
+        args.batch,
+        steps=args.steps,
+        warmup=args.warmup,
+        bf16=args.precision == "bf16",
+        channels_last=args.channels_last,
+        model_fn=lambda: build_model(args.model, 10, args.width),
+    )
+    return StepResult("fallback", gpus, args.batch, args.batch * gpus / ips * 1e3, ips, extra={"cuda_graph": True})
+
+
+def bench_step(args: argparse.Namespace, ctx) -> list[StepResult]:
+    if ctx.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    results = []
+    for mode in args.modes:
+        _watchdog(args.hang_timeout_s)
+        distlib.barrier()
+        try:
+            if mode == "fallback":
+                if ctx.world_size > 1:
+                    raise BenchUnavailable("one process for all GPUs: `python -m distlib.bench step --modes fallback`")
+                res = fallback_step(args)
+            else:
+                res = _run_mode(mode, args, ctx)
+        except BenchUnavailable as e:
+            res = StepResult(mode, note=str(e))
+        _free(ctx.device)
+        results.append(res)
+        if ctx.is_main and not args.quiet:
+            print(f"  {_step_row(res, None)}", file=sys.stderr, flush=True)
+    _watchdog(0)
+    return results
+
+
+def _step_row(r: StepResult, ddp: float | None) -> str:
+    if r.note:
+        return f"{r.mode:<14} {'-':>5} {'-':>9} {'-':>9} {'-':>11} {'-':>8}  {r.note}"
+    ratio = f"{r.images_per_s / ddp:.3f}" if ddp else "-"
+    extra = " ".join(f"{k}={v}" for k, v in r.extra.items())
+    return (
+        f"{r.mode:<14} {r.world:>5} {r.per_gpu_batch:>9} {r.step_ms:>9.2f} {r.images_per_s:>11.0f} {ratio:>8}  {extra}"
+    )
+
+
+def format_step(results: list[StepResult], args) -> str:
+    ddp = next((r.images_per_s for r in results if r.mode == "ddp-eager" and not r.note), None)
+    precision = args.precision if torch.cuda.is_available() and args.device != "cpu" else "fp32"
+    lines = [
+        f"training step, {args.model}, {args.batch} images per GPU, synthetic data on the device, "
+        f"{precision}{', channels_last' if args.channels_last else ''}",
+        f"{'mode':<14} {'GPUs':>5} {'batch/GPU':>9} {'step ms':>9} {'images/s':>11} {'vs DDP':>8}",
+    ]
+    lines += [_step_row(r, ddp) for r in results]
+    return "\n".join(lines)
+
+
+# ---- summary, environment, CLI --------------------------------------------------------------
+def summary(out: dict) -> list[tuple[str, str]]:
+    """The issue's targets, measured (only what this run measured)."""
+    rows = []
+    steps = {r["mode"]: r for r in out.get("step", []) if not r["note"]}
+    if "ddp-eager" in steps and "distlib-eager" in steps:
+        ratio = steps["distlib-eager"]["images_per_s"] / steps["ddp-eager"]["images_per_s"]
+        rows.append(("distlib eager / DDP eager (target >= 1.0)", f"{ratio:.3f}"))
+    if "distlib-graph" in steps:
+        r = steps["distlib-graph"]
+        rows.append(
+            (f"distlib graph images/s on {r['world']} GPU(s) (target >= 115k on 2)", f"{r['images_per_s']:.0f}")
+        )
+        if "ddp-eager" in steps:
+            ratio = r["images_per_s"] / steps["ddp-eager"]["images_per_s"]
+            rows.append(("distlib graph / DDP eager (target >= 1.9)", f"{ratio:.3f}"))
+    ar = out.get("allreduce")
+    if ar:
+        big = [r["ratio"] for r in ar["rows"] if r["bytes"] >= 64 * _MB]
+        if big:
+            rows.append(("bucketed / raw bus bandwidth, min over >= 64 MB (target >= 0.95)", f"{min(big):.3f}"))
+        rows.append(("synthetic model: GradSync sync / one raw all_reduce", f"{ar['model_sync']['ratio']:.3f}"))
+    return rows
+
+
+def environment(ctx) -> dict:
+    env = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "device": str(ctx.device),
+    }
+    if torch.cuda.is_available():
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        try:
+            version = torch.cuda.nccl.version()
+            env["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        except Exception:  # a build without NCCL
+            env["nccl"] = None
+    return env
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA when present")
+    common.add_argument("--json", metavar="PATH", help="write every result to this JSON file (rank 0)")
+    common.add_argument("--bucket-mb", type=float, default=25.0, help="GradSync/DDP bucket size (default 25)")
+    common.add_argument("--first-bucket-mb", type=float, default=1.0, help="GradSync's first bucket (default 1)")
+    common.add_argument("--hang-timeout-s", type=float, default=300.0, help="dump stacks and exit if a phase hangs")
+    common.add_argument("--quiet", action="store_true", help="no progress lines")
+
+    ar = argparse.ArgumentParser(add_help=False)
+    ar.add_argument(
+        "--sizes-mb", type=_floats, default=[1, 4, 16, 64, 256, 1024], help="comma-separated (default 1,...,1024)"
+    )
+    ar.add_argument("--iters", type=int, default=20, help="timed iterations per size (a quarter from 64 MB)")
+    ar.add_argument(
+        "--also-bucket-mb", type=float, default=100.0, help="a second bucket size to compare (0: none; default 100)"
+    )
+    ar.add_argument("--model-params", type=float, default=100e6, help="synthetic model size (default 100e6)")
+
+    st = argparse.ArgumentParser(add_help=False)
+    st.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES), help=f"comma-separated of {MODES}")
+    st.add_argument("--model", choices=["resnet18_cifar", "small_cnn"], default="resnet18_cifar")
+    st.add_argument("--width", type=int, default=16, help="small_cnn's width")
+    st.add_argument("--batch", type=int, default=512, help="images per GPU (default 512)")
+    st.add_argument("--image-size", type=int, default=32)
+    st.add_argument("--steps", type=int, default=50, help="timed steps per mode")
+    st.add_argument("--warmup", type=int, default=10, help="untimed steps first (graph modes capture in them)")
+    st.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="autocast dtype on GPUs")
+    st.add_argument("--no-channels-last", dest="channels_last", action="store_false")
+
+    p = argparse.ArgumentParser(
+        prog="python -m distlib.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("allreduce", parents=[common, ar], help="all_reduce bus bandwidth: raw vs GradSync's buckets")
+    sub.add_parser("step", parents=[common, st], help="training images/s per mode")
+    sub.add_parser("all", parents=[common, ar, st], help="allreduce, then step")
+    args = p.parse_args(argv)
+    for m in getattr(args, "modes", []):
+        if m not in MODES:
+            p.error(f"unknown mode {m!r}; modes: {', '.join(MODES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    backend = {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}[args.device]
+    ctx = distlib.init(backend, timeout_s=max(600.0, args.hang_timeout_s))
+    out: dict = {"environment": environment(ctx), "command": args.command, "args": vars(args)}
+    texts = []
+    try:
+        if args.command in ("allreduce", "all"):
+            try:
+                out["allreduce"] = bench_allreduce(args, ctx)
+                texts.append(format_allreduce(out["allreduce"]))
+            except BenchUnavailable as e:
+                texts.append(f"allreduce: {e}")
+        if args.command in ("step", "all"):
+            results = bench_step(args, ctx)
+            out["step"] = [asdict(r) for r in results]
+            texts.append(format_step(results, args))
+        if ctx.is_main:
+            rows = summary(out)
+            out["summary"] = dict(rows)
+            text = "\n\n".join(texts)
+            if rows:
+                width = max(len(k) for k, _ in rows)
+                text += "\n\nsummary\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+            print(text, flush=True)
+            if args.json:
+                os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+                with open(args.json, "w") as f:
+                    json.dump(out, f, indent=2, default=str)
+        return 0
+    finally:
+        distlib.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

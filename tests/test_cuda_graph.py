@@ -1,0 +1,59 @@
+"""Whole-step CUDA graphs: where capture cannot work, a clear reason and the eager path.
+(Capture itself is tested on GPUs in test_grad_sync.py.)"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import distlib
+from distlib import cuda_graph
+from distlib.cuda_graph import CapturedStep, CaptureUnsupported, build_train_step, capture_problem
+
+CPU = torch.device("cpu")
+CUDA = torch.device("cuda", 0)
+
+
+def _sgd(fused):
+    return torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1, fused=fused)
+
+
+def test_capture_problem_names_the_reason():
+    assert "need a GPU" in capture_problem(CPU, _sgd(None))
+    assert "grad_accum=2" in capture_problem(CUDA, _sgd(True), grad_accum=2)
+    assert "fused=True" in capture_problem(CUDA, _sgd(None))
+    adam = torch.optim.Adam(nn.Linear(2, 2).parameters())
+    assert "capturable=True" in capture_problem(CUDA, adam)
+    assert capture_problem(CUDA, _sgd(True)) is None
+
+
+def test_cpu_falls_back_to_eager_with_a_warning(caplog):
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    logger = distlib.get_logger()
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="distlib"):
+            assert build_train_step(True, model, opt, lambda x: model(x).sum(), None) is None
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "train.cuda_graph: CUDA graphs need a GPU" in caplog.text and "training eagerly" in caplog.text
+    assert build_train_step(False, model, opt, lambda x: model(x).sum(), None) is None
+    with pytest.raises(CaptureUnsupported, match="need a GPU"):
+        CapturedStep(model, opt, lambda x: model(x).sum())
+
+
+def test_shutdown_releases_live_graphs_first():
+    class Fake:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    fake = Fake()
+    cuda_graph._LIVE.add(fake)
+    distlib.shutdown()  # no process group: still releases graphs
+    assert fake.closed

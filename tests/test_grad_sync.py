@@ -1,0 +1,394 @@
+"""GradSync on real ranks against one process stepping on the concatenated batch.
+
+CPU tests run gloo ranks; GPU tests (NCCL, whole-step CUDA graphs) are skipped without GPUs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from multiproc import run_ranks
+from torch import nn
+
+from distlib.grad_sync import GradSync, ModelMismatchError
+
+B = 4  # samples per rank
+
+
+class Net(nn.Module):
+    """A small conv net; optional extra layers for the edge cases."""
+
+    def __init__(self, unused: bool = False, frozen: bool = False, branch: bool = False, classes: int = 5):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc1 = nn.Linear(4 * 8 * 8, 16)
+        self.fc2 = nn.Linear(16, classes)
+        self.unused = nn.Linear(7, 7) if unused else None  # never called
+        self.frozen = nn.Linear(16, 16).requires_grad_(False) if frozen else None
+        self.branch = nn.Linear(16, 16) if branch else None  # used only when forward asks for it
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = F.relu(self.fc1(F.relu(self.conv(x)).flatten(1)))
+        if self.frozen is not None:
+            h = h + self.frozen(h)
+        if self.branch is not None and use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.fc2(h)
+
+
+def _batch(step: int, n: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, 3, 8, 8, generator=g).to(device), torch.randint(0, 5, (n,), generator=g).to(device)
+
+
+def _max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _train(
+    ctx, model_kw: dict, sync_kw: dict, zero: str, steps: int = 4, accum: int = 1, device="cpu", cl: bool = False
+) -> dict:
+    """Train with GradSync on this rank's slice and a reference on the whole batch; compare.
+    ``cl``: channels_last model and inputs."""
+    torch.manual_seed(100 + ctx.rank)  # different initial weights per rank: the broadcast must fix them
+    model = Net(**model_kw).to(device)
+    if cl:
+        model = model.to(memory_format=torch.channels_last)
+    sync = GradSync(model, **sync_kw)
+    ref = Net(**model_kw).to(device)
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    launches: list[tuple[int, bool]] = []  # (parameters ready, inside backward) at each bucket launch
+    in_backward = [False]
+    launch = sync._launch
+
+    def spy(bucket):
+        launches.append((sum(s.ready_step == sync._step for s in sync._slots), in_backward[0]))
+        launch(bucket)
+
+    sync._launch = spy
+    world = ctx.world_size
+    for step in range(steps):
+        x, y = _batch(step, world * B, device)
+        # reference: one process, the whole batch (per-rank parts as the ranks see them)
+        parts = [ref(x[r * B : (r + 1) * B], use_branch=r == 0) for r in range(world)]
+        ref_loss = sum(F.cross_entropy(p, y[r * B : (r + 1) * B]) for r, p in enumerate(parts)) / world
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        # distributed: this rank's slice, in `accum` micro-batches
+        xs, ys = x[ctx.rank * B : (ctx.rank + 1) * B], y[ctx.rank * B : (ctx.rank + 1) * B]
+        if cl:
+            xs = xs.contiguous(memory_format=torch.channels_last)
+        m = B // accum
+        for k in range(accum):
+            loss = F.cross_entropy(model(xs[k * m : (k + 1) * m], use_branch=ctx.rank == 0), ys[k * m : (k + 1) * m])
+            if k < accum - 1:
+                with sync.no_sync():
+                    (loss / accum).backward()
+                    sync.wait()  # a no-op inside no_sync
+            else:
+                in_backward[0] = True
+                (loss / accum).backward()
+                in_backward[0] = False
+                sync.wait()
+        views = all(p.grad is s.view for p, s in zip(sync.params, sync._slots))
+        strides = all(p.grad.stride() == p.stride() for p in sync.params)
+        grads = {n: None if p.grad is None else p.grad.abs().sum().item() for n, p in model.named_parameters()}
+        opt.step()
+        if zero == "none":
+            opt.zero_grad(set_to_none=True)
+        elif zero == "keep":
+            opt.zero_grad(set_to_none=False)
+        else:
+            sync.zero_grad()
+    layout = [sync._names[id(s.param)] for b in sync.buckets for s in b.slots]
+    return {
+        "diff": _max_diff(model, ref),
+        "views": views,
+        "strides": strides,  # gradient views keep the parameter's layout (channels_last too)
+        "buckets": len(sync.buckets),
+        "layout": layout,
+        "launched_in_backward": sum(inside for _, inside in launches),
+        "first_launch_ready": launches[0][0] if launches else None,
+        "trainable": len(sync.params),
+        "comp": [str(b.comp.dtype) for b in sync.buckets if b.comp is not None],
+        "grads": grads,  # after the last wait()
+    }
+
+
+CONFIGS = [
+    ("tiny", {"bucket_mb": 1e-4, "first_bucket_mb": 1e-5}, "none"),  # a bucket per parameter
+    ("uneven", {"bucket_mb": 0.004, "first_bucket_mb": 0.001}, "keep"),  # a few buckets of mixed sizes
+    ("one", {"bucket_mb": 100, "first_bucket_mb": 100}, "views"),  # everything in one bucket
+]
+
+
+def _equivalence(ctx, configs):
+    return {name: _train(ctx, {}, kw, zero) for name, kw, zero in configs}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_equivalence_with_one_process_for_bucket_sizes(world):
+    configs = CONFIGS if world == 2 else CONFIGS[:2]
+    results = run_ranks(_equivalence, world, configs)
+    for rank, res in enumerate(results):
+        for name, r in res.items():
+            assert r["diff"] < 1e-5, (rank, name, r["diff"])
+            assert r["views"], (rank, name, "every .grad must be a view into its bucket after wait()")
+            assert r["layout"] == results[0][name]["layout"], "bucket layout must agree across ranks"
+    tiny, uneven, one = (results[0].get(n) for n in ("tiny", "uneven", "one"))
+    assert tiny["buckets"] == tiny["trainable"] == 6
+    assert 1 < uneven["buckets"] < uneven["trainable"]
+    # communication overlaps backward: a bucket is launched before every gradient is ready
+    assert tiny["launched_in_backward"] >= tiny["buckets"] - 1
+    assert tiny["first_launch_ready"] < tiny["trainable"]
+    if one is not None:
+        assert one["buckets"] == 1
+
+
+SMALL = {"bucket_mb": 0.002, "first_bucket_mb": 5e-4}  # a few buckets
+TINY = {"bucket_mb": 1e-4, "first_bucket_mb": 1e-5}  # a bucket per parameter
+
+
+def _edge_cases(ctx):
+    return {
+        "unused_frozen": _train(ctx, {"unused": True, "frozen": True}, SMALL, "none"),
+        "branch_on_rank0_only": _train(ctx, {"branch": True}, TINY, "none"),
+        "no_sync": _train(ctx, {}, SMALL, "none", accum=2),
+        "no_sync_views": _train(ctx, {"branch": True}, {"bucket_mb": 0.002}, "views", accum=2),
+        "channels_last": _train(ctx, {}, SMALL, "none", cl=True),
+    }
+
+
+def test_unused_frozen_data_dependent_and_no_sync():
+    t0 = time.perf_counter()
+    results = run_ranks(_edge_cases, 2)
+    assert time.perf_counter() - t0 < 90
+    for rank, res in enumerate(results):
+        for name, r in res.items():
+            assert r["diff"] < 1e-5, (rank, name, r["diff"])
+            assert r["strides"], (rank, name)
+        assert res["channels_last"]["views"]
+        grads = res["unused_frozen"]["grads"]
+        assert grads["frozen.weight"] is None, "frozen parameters are not synced and get no gradient"
+        assert grads["unused.weight"] == 0.0, "a parameter unused on every rank ends with a zero gradient"
+        assert res["unused_frozen"]["trainable"] == 8  # conv, fc1, fc2, unused: weight + bias
+        assert res["branch_on_rank0_only"]["grads"]["branch.weight"] > 0  # rank 1 received rank 0's gradient
+
+
+def _compressed_and_buffers(ctx):
+    exact = _train(ctx, {}, {"bucket_mb": 0.004, "first_bucket_mb": 0.001}, "none")
+    bf16 = _train(ctx, {}, {"bucket_mb": 0.004, "first_bucket_mb": 0.001, "compress": "bf16"}, "none")
+    bn = nn.BatchNorm1d(3)
+    sync = GradSync(bn)
+    bn.running_mean.fill_(float(ctx.rank))
+    bn.num_batches_tracked.fill_(10 + ctx.rank)
+    sync.sync_buffers()
+    return exact, bf16, bn.running_mean.tolist(), bn.num_batches_tracked.item()
+
+
+def test_bf16_compression_close_to_exact_and_buffer_sync():
+    for exact, bf16, mean, tracked in run_ranks(_compressed_and_buffers, 2):
+        assert bf16["comp"] and set(bf16["comp"]) == {"torch.bfloat16"}
+        assert bf16["diff"] < 5e-3, bf16["diff"]  # bf16 rounding of the averaged gradients
+        assert exact["diff"] < 1e-5
+        assert mean == [0.5, 0.5, 0.5] and tracked == 10  # running statistics averaged, counters from rank 0
+
+
+class Chain(nn.Module):
+    """Registered l0..l3 but applied l3 first: gradients arrive in registration order, the
+    opposite of what the initial layout assumes."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _rebuild(ctx):
+    torch.manual_seed(ctx.rank)
+    model = Chain()
+    sync = GradSync(model, bucket_mb=1e-4, first_bucket_mb=1e-5)
+    ref = Chain()
+    ref.load_state_dict(model.state_dict())
+    before = [sync._names[id(s.param)] for b in sync.buckets for s in b.slots]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(2 * B, 8, generator=g)
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model(x[ctx.rank * B : (ctx.rank + 1) * B]).square().mean().backward()
+        sync.wait()
+        opt.step()
+        opt.zero_grad()
+    after = [sync._names[id(s.param)] for b in sync.buckets for s in b.slots]
+    return before, after, _max_diff(model, ref)
+
+
+def test_bucket_order_rebuilt_from_arrival_order():
+    results = run_ranks(_rebuild, 2)
+    for before, after, diff in results:
+        assert before[0].startswith("layers.3") and before[-1].startswith("layers.0")
+        assert after[0].startswith("layers.0") and after[-1].startswith("layers.3"), after
+        assert after == results[0][1]
+        assert diff < 1e-5
+
+
+def _mismatch(ctx, kind):
+    classes = 6 if (kind == "shape" and ctx.rank == 1) else 5
+    model = Net(classes=classes, unused=kind == "extra" and ctx.rank == 2)
+    t0 = time.perf_counter()
+    try:
+        GradSync(model)
+    except ModelMismatchError as e:
+        return str(e), time.perf_counter() - t0
+    return None, time.perf_counter() - t0
+
+
+def _mismatches(ctx):
+    return [_mismatch(ctx, "shape"), _mismatch(ctx, "extra")]
+
+
+def test_preflight_mismatch_fails_fast_on_every_rank():
+    results = run_ranks(_mismatches, 3)
+    for (shape_msg, t_shape), (extra_msg, t_extra) in results:
+        assert shape_msg is not None and extra_msg is not None, "every rank must raise"
+        assert "rank 1" in shape_msg and "'fc2.weight' has shape (6, 16), rank 0 has (5, 16)" in shape_msg
+        assert "rank 2" in extra_msg and "'unused.weight'" in extra_msg and "does not exist on rank 0" in extra_msg
+        assert t_shape < 10 and t_extra < 10
+
+
+def _twice(ctx):
+    model = Net()
+    sync = GradSync(model, bucket_mb=1e-4, first_bucket_mb=1e-5)
+    x, y = _batch(0, B)
+    F.cross_entropy(model(x), y).backward()
+    try:
+        F.cross_entropy(model(x), y).backward()
+    except RuntimeError as e:
+        sync.wait()  # keep the ranks' collectives matched before shutdown
+        return str(e)
+    return None
+
+
+def test_backward_twice_without_wait_is_a_clear_error():
+    for msg in run_ranks(_twice, 2):
+        assert msg and "produced twice before sync.wait()" in msg and "no_sync" in msg
+
+
+def test_world_size_one_is_a_no_op():
+    model = Net()
+    sync = GradSync(model)
+    x, y = _batch(0, B)
+    F.cross_entropy(model(x), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    sync.wait()
+    with sync.no_sync():
+        pass
+    assert sync.world_size == 1 and not sync.buckets
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    sync.zero_grad()
+    assert all(p.grad.abs().sum() == 0 for p in model.parameters())
+
+
+# ---- GPU: NCCL and whole-step CUDA graphs (skipped on CPU machines) -------------------------
+def _exact_cuda():
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
+
+
+def _nccl_equivalence(ctx):
+    _exact_cuda()
+    out = {name: _train(ctx, {}, kw, zero, device=ctx.device) for name, kw, zero in CONFIGS}
+    out["default"] = _train(ctx, {"unused": True}, {}, "none", device=ctx.device)
+    out["bf16"] = _train(ctx, {}, {"compress": "bf16"}, "none", device=ctx.device)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_nccl_equivalence_on_two_gpus():
+    for res in run_ranks(_nccl_equivalence, 2, backend="nccl", timeout=240):
+        for name, r in res.items():
+            # cuDNN may pick other algorithms for the reference's larger batch: a little more slack than on CPU
+            assert r["diff"] < (5e-3 if name == "bf16" else 5e-5), (name, r["diff"])
+
+
+_KEEP: list = []
+
+
+def _graph_vs_eager(ctx, steps: int = 8) -> dict:
+    """The same training with the eager step and with CapturedStep; returns the differences."""
+    from distlib.cuda_graph import CapturedStep
+
+    _exact_cuda()
+    device = ctx.device if ctx is not None else torch.device("cuda", 0)
+    world = ctx.world_size if ctx is not None else 1
+    rank = ctx.rank if ctx is not None else 0
+    out = {}
+    runs = {}
+    for mode in ("eager", "graph"):
+        torch.manual_seed(0)
+        model = Net().to(device).to(memory_format=torch.channels_last)
+        sync = GradSync(model, bucket_mb=0.004, first_bucket_mb=0.001)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))  # lr changes every step
+
+        def loss_fn(x, y, model=model):
+            return F.cross_entropy(model(x), y)
+
+        step = CapturedStep(model, opt, loss_fn, sync, warmup_steps=2) if mode == "graph" else None
+        losses = []
+        for i in range(steps):
+            x, y = _batch(i, world * B, device)
+            x = x[rank * B : (rank + 1) * B].contiguous(memory_format=torch.channels_last)
+            y = y[rank * B : (rank + 1) * B]
+            if step is None:
+                loss = loss_fn(x, y)
+                loss.backward()
+                sync.wait()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                loss = step(x, y)
+            losses.append(loss.item())
+            sched.step()
+        runs[mode] = (model, losses)
+        if step is not None:
+            out["captured"] = step.captured
+            if ctx is None:
+                step.close()
+            else:
+                _KEEP.append(step)  # left to distlib.shutdown(), which must release it before the group goes
+    out["param_diff"] = _max_diff(runs["eager"][0], runs["graph"][0])
+    out["loss_diff"] = max(abs(a - b) for a, b in zip(runs["eager"][1], runs["graph"][1]))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_step_equals_eager_on_one_gpu():
+    out = _graph_vs_eager(None)
+    assert out["captured"]
+    assert out["param_diff"] < 1e-5 and out["loss_diff"] < 1e-5, out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_captured_step_equals_eager_on_two_gpus():
+    for out in run_ranks(_graph_vs_eager, 2, backend="nccl", timeout=240):
+        assert out["captured"]
+        assert out["param_diff"] < 1e-5 and out["loss_diff"] < 1e-5, out
