@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.cuda.comm  # noqa: F401  (a submodule: torch.cuda does not import it on every version)
 import torch.distributed as dist
 from torch import nn
 

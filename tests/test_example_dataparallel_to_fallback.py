@@ -21,6 +21,7 @@ def _run(script: str) -> tuple[list[float], list[float], float]:
     proc = subprocess.run(
         [sys.executable, os.path.join(EXAMPLE, script), "--epochs", "2"],
         cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),  # the examples import distlib from the checkout
         capture_output=True,
         text=True,
         timeout=300,
