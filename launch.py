@@ -30,6 +30,7 @@ from distlib.profiling import StepProfiler
 from distlib.progress import TrainingProgress
 from distlib.run_dir import RunDir
 from distlib.schedule import warmup_linear
+from distlib.warmup import warm_up
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -153,8 +154,37 @@ def main(argv: list[str]) -> int:
             ctx.world_size, len(loader),
         )  # fmt: skip
 
-        # ---- train -------------------------------------------------------------------
         micro = per_rank // cfg.train.grad_accum
+
+        def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            """One optimizer step on this rank's batch; returns its mean loss (not synced)."""
+            if cfg.dist.mode == "fallback":  # split over the node's GPUs; root gets the averaged grads
+                amp = torch.bfloat16 if use_bf16 else None
+                loss = replicas.train_step(x, y, loss_fn, autocast_dtype=amp, grad_accum=cfg.train.grad_accum)
+            elif graph_step is not None:  # forward, backward, all_reduce and SGD: one graph replay
+                return graph_step(x, y)
+            else:
+                loss = torch.zeros((), device=ctx.device)
+                for k in range(cfg.train.grad_accum):
+                    last = k == cfg.train.grad_accum - 1
+                    with contextlib.nullcontext() if last else sync.no_sync():
+                        micro_loss = loss_of(x[k * micro : (k + 1) * micro], y[k * micro : (k + 1) * micro])
+                        (micro_loss / cfg.train.grad_accum).backward()
+                        sync.wait()
+                    loss += micro_loss.detach() / cfg.train.grad_accum
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        if ctx.device.type == "cuda" and cfg.dist.mode != "fallback":
+            # cuDNN autotuning, lazy set-up and graph capture happen here, outside the training
+            # clock; the weights and optimizer state are then put back as they were
+            xw, yw = loader.prepare(x_train[:per_rank].to(ctx.device)), y_train[:per_rank].to(ctx.device)
+            warm_up(lambda: train_step(xw, yw), [model], opt, steps=cfg.train.prewarm_steps)
+            evaluate(model, x_test, y_test, loader, ctx, autocast, tta=cfg.train.tta)
+            torch.cuda.synchronize()
+
+        # ---- train -------------------------------------------------------------------
         train_s = 0.0
         t_start = time.perf_counter()
         progress.start(epochs=cfg.train.epochs, steps_per_epoch=len(loader), images_per_step=cfg.train.batch_size)
@@ -163,25 +193,8 @@ def main(argv: list[str]) -> int:
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=ctx.device)
             for x, y in loader:
-                x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
-                if cfg.dist.mode == "fallback":  # split over the node's GPUs; root gets the averaged grads
-                    amp = torch.bfloat16 if use_bf16 else None
-                    loss = replicas.train_step(x, y, loss_fn, autocast_dtype=amp, grad_accum=cfg.train.grad_accum)
-                    loss_sum += loss
-                elif graph_step is not None:
-                    loss = graph_step(x, y)  # forward, backward, all_reduce and SGD: one graph replay
-                    loss_sum += loss
-                else:
-                    for k in range(cfg.train.grad_accum):
-                        last = k == cfg.train.grad_accum - 1
-                        with contextlib.nullcontext() if last else sync.no_sync():
-                            loss = loss_of(x[k * micro : (k + 1) * micro], y[k * micro : (k + 1) * micro])
-                            (loss / cfg.train.grad_accum).backward()
-                            sync.wait()
-                        loss_sum += loss.detach() / cfg.train.grad_accum
-                if graph_step is None:  # the graph steps the optimizer itself
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+                loss = train_step(x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True))
+                loss_sum += loss
                 sched.step()
                 if ema is not None:
                     ema.update_parameters(model)

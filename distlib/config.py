@@ -59,7 +59,7 @@ class TrainConfig:
     tta: bool = True  # flip test-time augmentation in the final evaluation
     seed: int = 0
     cuda_graph: bool = False  # capture the whole training step as one CUDA graph
-    compile: bool = False  # torch.compile the model
+    prewarm_steps: int = 5  # on a GPU: steps run, then undone, before the clock (autotuning, graph capture)
 
 
 @dataclass
@@ -205,6 +205,7 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         "data.augment.crop_pad": cfg.data.augment.crop_pad,
         "data.augment.cutout": cfg.data.augment.cutout,
         "run.checkpoint_every": cfg.run.checkpoint_every,
+        "train.prewarm_steps": cfg.train.prewarm_steps,
     }
     for path, value in non_negative.items():
         if value is not None and value < 0:

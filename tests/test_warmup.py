@@ -1,0 +1,46 @@
+"""warm_up runs real steps and then leaves model and optimizer exactly as they were."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distlib.warmup import warm_up
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g)) for _ in range(4)]
+    return model, opt, batches
+
+
+def _step(model, opt, x, y):
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def test_training_after_warm_up_is_bitwise_the_training_without_it():
+    model_a, opt_a, batches = _setup()
+    for x, y in batches:
+        _step(model_a, opt_a, x, y)
+
+    model_b, opt_b, batches = _setup()
+    junk = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    warm_up(lambda: _step(model_b, opt_b, *junk), [model_b], opt_b, steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(_setup()[0].state_dict().values(), model_b.state_dict().values()))
+    for x, y in batches:
+        _step(model_b, opt_b, x, y)
+    for (name, a), b in zip(model_a.state_dict().items(), model_b.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_zero_steps_does_nothing():
+    model, opt, _ = _setup()
+    calls = []
+    warm_up(lambda: calls.append(1), [model], opt, steps=0)
+    assert calls == []
