@@ -57,9 +57,9 @@ def main() -> int:
                     "curve": [(m["train_s"], m["test_acc"]) for m in metrics if m.get("test_acc") is not None],
                 }
             )  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            if args.json:  # after every run, so a call cut short still returns what it measured
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
     print(
         f"\n{'name':<10} {'seed':>4} {'n':>2} {'rc':>3} {'ep':>3} {'acc':>7} {'train_s':>8} {'wall_s':>7} {'img/s':>9}"
     )
