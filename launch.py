@@ -22,7 +22,7 @@ from distlib.comm_fallback import Replicas, node_devices
 from distlib.config import ConfigError, dump_yaml, load_config
 from distlib.cuda_graph import build_train_step
 from distlib.data import DataError, load_image_set
-from distlib.device_loader import DeviceLoader, eval_shards, normalize_stats
+from distlib.device_loader import DeviceLoader, eval_shards, normalize_stats, shift
 from distlib.environment import environment_json
 from distlib.models import build_model, count_params, param_groups
 from distlib.plots import CurvePlot
@@ -41,16 +41,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 @torch.no_grad()
-def evaluate(model, x_test, y_test, loader, ctx, autocast, tta: bool) -> float:
-    """Exact test accuracy: each test sample is counted once, whatever the world size."""
+def evaluate(model, x_test, y_test, loader, ctx, autocast, tta: bool, translate: int = 0) -> float:
+    """Exact test accuracy: each test sample is counted once, whatever the world size.
+
+    ``tta``: average the logits of each image and its mirror image; ``translate`` > 0 adds
+    the views shifted by that many pixels up-left and down-right (and their mirrors).
+    """
     model.eval()
     correct = torch.zeros((), device=ctx.device, dtype=torch.float64)
     for xb, yb in eval_shards(x_test, y_test, ctx.rank, ctx.world_size, batch_size=1000):
         x = loader.prepare(xb)
+        views = [x]
+        if tta and translate:
+            views += [shift(x, translate), shift(x, -translate)]
         with autocast:
-            logits = model(x).float()
+            logits = sum(model(v).float() for v in views)
             if tta:
-                logits += model(x.flip(3)).float()
+                logits += sum(model(v.flip(3)).float() for v in views)
         correct += (logits.argmax(1) == yb).sum()
     distlib.all_reduce(correct)
     model.train()
@@ -181,7 +188,7 @@ def main(argv: list[str]) -> int:
             # clock; the weights and optimizer state are then put back as they were
             xw, yw = loader.prepare(x_train[:per_rank].to(ctx.device)), y_train[:per_rank].to(ctx.device)
             warm_up(lambda: train_step(xw, yw), [model], opt, steps=cfg.train.prewarm_steps)
-            evaluate(model, x_test, y_test, loader, ctx, autocast, tta=cfg.train.tta)
+            evaluate(model, x_test, y_test, loader, ctx, autocast, cfg.train.tta, cfg.train.tta_translate)
             torch.cuda.synchronize()
 
         # ---- train -------------------------------------------------------------------
@@ -212,7 +219,7 @@ def main(argv: list[str]) -> int:
                     replicas.sync_buffers()  # BatchNorm statistics averaged over every GPU into the root
                 acc = evaluate(
                     ema.module if ema is not None else model, x_test, y_test, loader, ctx, autocast,
-                    tta=cfg.train.tta and last_epoch,
+                    tta=cfg.train.tta and last_epoch, translate=cfg.train.tta_translate,
                 )  # fmt: skip
                 if last_epoch:  # airbench's clock: training from the first step through the final evaluation
                     train_s += time.perf_counter() - t_eval

@@ -57,6 +57,7 @@ class TrainConfig:
     ema: float = 0.0  # decay of an exponential moving average of the weights; 0 = off
     eval_every: int = 1  # evaluate every N epochs (the last epoch always)
     tta: bool = True  # flip test-time augmentation in the final evaluation
+    tta_translate: int = 0  # with tta: also views shifted by this many pixels (airbench uses 2)
     seed: int = 0
     cuda_graph: bool = False  # capture the whole training step as one CUDA graph
     prewarm_steps: int = 5  # on a GPU: steps run, then undone, before the clock (autotuning, graph capture)
@@ -206,6 +207,7 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         "data.augment.cutout": cfg.data.augment.cutout,
         "run.checkpoint_every": cfg.run.checkpoint_every,
         "train.prewarm_steps": cfg.train.prewarm_steps,
+        "train.tta_translate": cfg.train.tta_translate,
     }
     for path, value in non_negative.items():
         if value is not None and value < 0:

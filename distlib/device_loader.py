@@ -33,6 +33,18 @@ def random_crop(x: torch.Tensor, pad: int, generator: torch.Generator | None = N
     return xp[idx_n, idx_c, rows, cols]
 
 
+def shift(x: torch.Tensor, pixels: int) -> torch.Tensor:
+    """Each image moved by ``pixels`` down and right (negative: up and left), the edge
+    filled by reflection (a test-time augmentation view)."""
+    p = abs(pixels)
+    if p == 0:
+        return x
+    h, w = x.shape[-2:]
+    xp = F.pad(x, (p, p, p, p), mode="reflect")
+    start = 0 if pixels > 0 else 2 * p
+    return xp[..., start : start + h, start : start + w]
+
+
 def cutout(x: torch.Tensor, size: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """Zero one random ``size``×``size`` square per image."""
     if size == 0:
