@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import itertools
+import os
 import sys
 import time
 
@@ -15,12 +18,16 @@ import torch
 import torch.nn.functional as F
 
 import distlib
+from distlib.checkpoint import Checkpointer, CheckpointError, fingerprint
 from distlib.config import ConfigError, dump_yaml, load_config
 from distlib.data import DataError, load_image_set
 from distlib.device_loader import DeviceLoader, eval_shards, normalize_stats
+from distlib.failures import abort, describe, shared_errors
 from distlib.models import build_model, count_params, param_groups
 from distlib.run_dir import RunDir
 from distlib.schedule import warmup_linear
+from distlib.stop import StopSignal
+from distlib.watchdog import Watchdog
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -28,6 +35,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("recipe", help="YAML recipe (only what differs from the defaults)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.epochs=5")
     return p.parse_args(argv)
+
+
+def resume_settings(cfg) -> dict:
+    """The settings a checkpoint is valid for: model, optimizer and schedule, data order and augmentation."""
+    free = {"train.eval_every", "train.tta", "train.cuda_graph", "train.compile"}  # may change on a resume
+    flat = {f"{sec}.{k}": v for sec in ("model", "train") for k, v in dataclasses.asdict(getattr(cfg, sec)).items()}
+    flat |= {f"data.augment.{k}": v for k, v in dataclasses.asdict(cfg.data.augment).items()}
+    flat["data.train_subset"] = cfg.data.train_subset
+    return {k: v for k, v in flat.items() if k not in free}
 
 
 @torch.no_grad()
@@ -60,6 +76,9 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     log = distlib.get_logger()
+    # a rank that stops running (SIGSTOP, frozen host) is killed soon after its peers time out
+    watchdog = Watchdog(cfg.dist.timeout_s, ctx.rank) if ctx.world_size > 1 else None
+    stop = None
     try:
         # ---- build -------------------------------------------------------------------
         if cfg.train.batch_size % (ctx.world_size * cfg.train.grad_accum):
@@ -71,11 +90,12 @@ def main(argv: list[str]) -> int:
         torch.manual_seed(cfg.train.seed)
         if ctx.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
-        if ctx.local_rank == 0:  # one decode per node; the others read the cache it leaves
-            images = load_image_set(cfg.data.root, download=cfg.data.download, cache_dir=cfg.data.cache_dir)
-        distlib.barrier()
-        if ctx.local_rank != 0:
-            images = load_image_set(cfg.data.root, download=False, cache_dir=cfg.data.cache_dir)
+        with shared_errors(DataError):  # bad data: every rank stops with the same message
+            if ctx.local_rank == 0:  # one decode per node; the others read the cache it leaves
+                images = load_image_set(cfg.data.root, download=cfg.data.download, cache_dir=cfg.data.cache_dir)
+        with shared_errors(DataError):
+            if ctx.local_rank != 0:
+                images = load_image_set(cfg.data.root, download=False, cache_dir=cfg.data.cache_dir)
         x_train, y_train = images.x_train, images.y_train
         if cfg.data.train_subset:
             x_train, y_train = x_train[: cfg.data.train_subset], y_train[: cfg.data.train_subset]
@@ -102,7 +122,13 @@ def main(argv: list[str]) -> int:
         autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=use_bf16)
         run = RunDir(cfg.run.out_dir, ctx.is_main)
         run.write_text("config.yaml", dump_yaml(cfg))
-        run.start_metrics(0)
+        # ---- resume from the newest checkpoint in out_dir (a restart under torchrun --max-restarts)
+        ckpt = Checkpointer(os.path.join(run.path, "checkpoints"), keep=cfg.run.keep_checkpoints, is_main=ctx.is_main)
+        state = {"model": model, "optimizer": opt, "scheduler": sched}
+        fprint = fingerprint(model, steps_per_epoch=len(loader), **resume_settings(cfg))
+        resumed = ckpt.resume(state, fingerprint=fprint, enabled=cfg.run.resume, epochs=cfg.train.epochs)
+        loader.set_epoch(resumed.epoch)
+        run.start_metrics(resumed.epoch)
         log.info(
             "%s: %d params, %d train / %d test images, global batch %d over %d rank(s), %d steps/epoch",
             cfg.model.name, count_params(model), len(y_train), len(y_test), cfg.train.batch_size,
@@ -111,12 +137,29 @@ def main(argv: list[str]) -> int:
 
         # ---- train -------------------------------------------------------------------
         micro = per_rank // cfg.train.grad_accum
-        train_s = 0.0
-        t_start = time.perf_counter()
-        for epoch in range(1, cfg.train.epochs + 1):
-            t0 = time.perf_counter()
-            loss_sum = torch.zeros((), device=ctx.device)
-            for x, y in loader:
+        train_s = resumed.extra.get("train_s", 0.0)
+        t_start = time.perf_counter() - resumed.extra.get("elapsed_s", 0.0)
+        stop = StopSignal(timeout_s=cfg.dist.timeout_s)  # SIGTERM/SIGINT: every rank stops at one step boundary
+
+        def save_checkpoint(epoch: int, step: int, loss_sum=None, epoch_s: float = 0.0) -> None:  # a collective
+            extra = {"train_s": train_s, "elapsed_s": time.perf_counter() - t_start, "epoch_s": epoch_s}
+            ckpt.save(state, epoch=epoch, step=step, global_step=epoch * len(loader) + step, fingerprint=fprint,
+                      extra=extra, rank_extra={} if loss_sum is None else {"loss_sum": loss_sum})  # fmt: skip
+
+        for epoch in range(resumed.epoch + 1, cfg.train.epochs + 1):
+            first = resumed.step if epoch == resumed.epoch + 1 else 0  # steps already done in this epoch
+            t0 = time.perf_counter() - (resumed.extra.get("epoch_s", 0.0) if first else 0.0)
+            loss_sum = resumed.rank_extra.get("loss_sum", torch.zeros(())) if first else torch.zeros(())
+            loss_sum = loss_sum.to(ctx.device)
+            for step, (x, y) in enumerate(itertools.islice(loader, first, None), first):
+                if stop.check():
+                    save_checkpoint(epoch - 1, step, loss_sum, epoch_s=time.perf_counter() - t0)
+                    if ctx.is_main:
+                        log.warning(
+                            "stopped by %s at epoch %d step %d; checkpoint saved in %s: run the same command "
+                            "to continue", stop.name, epoch, step, ckpt.directory,
+                        )  # fmt: skip
+                    return stop.exit_code
                 x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                 for k in range(cfg.train.grad_accum):
                     last = k == cfg.train.grad_accum - 1
@@ -153,17 +196,35 @@ def main(argv: list[str]) -> int:
                 "lr": opt.param_groups[0]["lr"],
                 "world_size": ctx.world_size,
             }
-            run.log_metrics(row)
+            run.log_metrics(row)  # before the checkpoint: a crash in between rewrites the row, never skips it
+            if last_epoch or (cfg.run.checkpoint_every and epoch % cfg.run.checkpoint_every == 0):
+                save_checkpoint(epoch, 0)
             log.info(
                 "epoch %d/%d loss %.4f acc %s  %.0f img/s  %.1fs",
                 epoch, cfg.train.epochs, train_loss, "-" if acc != acc else f"{acc:.4f}",
                 row["images_per_s"], row["elapsed_s"],
             )  # fmt: skip
+        stop.close()
         return 0
-    except (DataError, ValueError) as e:
+    except (DataError, ValueError, CheckpointError) as e:
         log.error("%s", e)
         return 2
+    except RuntimeError as e:  # a collective timed out or lost a peer: say so, and leave without the barrier
+        message = describe(e, rank=ctx.rank, timeout_s=cfg.dist.timeout_s)
+        if message is None:
+            raise
+        log.error("%s", message)
+        abort()
+        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
+        log.warning("interrupted")
+        abort()
+        return 130
     finally:
+        if stop is not None:
+            stop.restore_handlers()
+        if watchdog is not None:
+            watchdog.close()
         distlib.shutdown()
 
 
