@@ -221,6 +221,27 @@ def read_verified(path: str) -> dict[str, Any]:
     return payload
 
 
+def load_in_place(obj: Stateful, state: dict[str, Any]) -> None:
+    """``obj.load_state_dict(state)``, keeping the tensors ``obj`` already has.
+
+    A captured CUDA graph reads and writes fixed memory: modules already copy
+    into their tensors, but ``Optimizer.load_state_dict`` makes new state
+    tensors (momentum buffers), so those are copied back into the old ones.
+    """
+    if not isinstance(obj, torch.optim.Optimizer):
+        obj.load_state_dict(state)
+        return
+    old = {p: dict(s) for p, s in obj.state.items()}
+    obj.load_state_dict(state)
+    with torch.no_grad():
+        for p, s in obj.state.items():
+            for key, new in s.items():
+                kept = old.get(p, {}).get(key)
+                if torch.is_tensor(kept) and torch.is_tensor(new) and kept.shape == new.shape:
+                    kept.copy_(new)  # same dtype and device: load_state_dict cast ``new`` like ``kept``
+                    s[key] = kept
+
+
 # ---- the checkpointer ---------------------------------------------------------------------
 
 
@@ -354,7 +375,7 @@ class Checkpointer:
         if missing:
             raise CheckpointError(f"checkpoint {path} has no state for {', '.join(missing)}")
         for name, obj in objects.items():
-            obj.load_state_dict(payload["state"][name])
+            load_in_place(obj, payload["state"][name])
         ranks = payload["ranks"]
         rank, world = collectives.rank(), collectives.world_size()
         mine: dict[str, Any] = {}

@@ -204,3 +204,18 @@ def test_temporary_files_are_not_checkpoints(tmp_path):
     open(tmp_path / ".tmp-1-abcd-epoch0009-step000000.pt", "wb").write(b"partial")
     assert os.path.basename(ck.paths()[0]) == "epoch0003-step000000.pt"
     assert ck.clear() == 3 and ck.paths() == []
+
+
+def test_optimizer_state_is_restored_into_the_tensors_it_had(tmp_path):
+    """A captured CUDA graph keeps using the momentum buffers it was captured with."""
+    model, opt, sched = make()
+    train_steps(model, opt, sched, 2)
+    ck = Checkpointer(str(tmp_path))
+    ck.save(objects(model, opt, sched), epoch=1, step=0, global_step=2, fingerprint=fingerprint(model))
+    saved = [s["momentum_buffer"].clone() for s in opt.state.values()]
+    train_steps(model, opt, sched, 2)
+    buffers = [s["momentum_buffer"] for s in opt.state.values()]
+    ck.load(objects(model, opt, sched), fingerprint=fingerprint(model))
+    after = [s["momentum_buffer"] for s in opt.state.values()]
+    assert all(a is b for a, b in zip(after, buffers))
+    assert all(torch.equal(a, s) for a, s in zip(after, saved))
