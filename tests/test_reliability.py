@@ -8,6 +8,7 @@ epochs: 16 steps an epoch on 2 gloo ranks on the CPU, also on a GPU machine
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -52,6 +53,15 @@ def decoded_demo_data():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def no_job_outlives_its_test():
+    yield
+    while Job.running:
+        job = Job.running.pop()
+        if job.proc.poll() is None:  # a test failed before its job ended
+            job.kill()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -61,11 +71,21 @@ def free_port() -> int:
 class Job:
     """A torchrun (or python) command running in the background, its output in a file."""
 
+    running: list[Job] = []
+
     def __init__(self, cmd: list[str], log_path: str):
         self.log_path = log_path
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=self.log, stderr=subprocess.STDOUT)
         self.seen: set[int] = set()  # every worker (and watchdog) pid seen, to check none is left
+        Job.running.append(self)
+
+    def kill(self) -> None:
+        """SIGKILL the job and everything below it (torchrun's workers live in their own sessions)."""
+        for pid in [p for p, _ in descendants(self.proc.pid)] + [self.proc.pid]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
 
     def wait(self, timeout: float = 240) -> int:
         try:
