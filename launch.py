@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
+import itertools
 import os
 import sys
 import time
@@ -18,19 +20,23 @@ import torch.nn.functional as F
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import distlib
+from distlib.checkpoint import Checkpointer, CheckpointError, fingerprint
 from distlib.comm_fallback import Replicas, node_devices
 from distlib.config import ConfigError, dump_yaml, load_config
 from distlib.cuda_graph import build_train_step
 from distlib.data import DataError, load_image_set
 from distlib.device_loader import DeviceLoader, eval_shards, normalize_stats, shift
 from distlib.environment import environment_json
+from distlib.failures import abort, describe, shared_errors
 from distlib.models import build_model, count_params, param_groups
 from distlib.plots import CurvePlot
 from distlib.profiling import StepProfiler
 from distlib.progress import TrainingProgress
 from distlib.run_dir import RunDir
 from distlib.schedule import warmup_linear
+from distlib.stop import StopSignal
 from distlib.warmup import warm_up
+from distlib.watchdog import Watchdog
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -38,6 +44,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("recipe", help="YAML recipe (only what differs from the defaults)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.epochs=5")
     return p.parse_args(argv)
+
+
+def resume_settings(cfg) -> dict:
+    """The settings a checkpoint is valid for: model, optimizer and schedule, data order and augmentation."""
+    free = {"train.eval_every", "train.tta", "train.cuda_graph", "train.compile"}  # may change on a resume
+    flat = {f"{sec}.{k}": v for sec in ("model", "train") for k, v in dataclasses.asdict(getattr(cfg, sec)).items()}
+    flat |= {f"data.augment.{k}": v for k, v in dataclasses.asdict(cfg.data.augment).items()}
+    flat["data.train_subset"] = cfg.data.train_subset
+    return {k: v for k, v in flat.items() if k not in free}
 
 
 @torch.no_grad()
@@ -84,6 +99,9 @@ def main(argv: list[str]) -> int:
         os.path.join(cfg.run.out_dir, "profile"), ctx.rank, ctx.device,
         enabled=pc.enabled, wait=pc.wait, warmup=pc.warmup, active=pc.active,
     )  # fmt: skip
+    # a rank that stops running (SIGSTOP, frozen host) is killed soon after its peers time out
+    watchdog = Watchdog(cfg.dist.timeout_s, ctx.rank) if ctx.world_size > 1 else None
+    stop = None
     try:
         # ---- build -------------------------------------------------------------------
         if cfg.train.batch_size % (ctx.world_size * cfg.train.grad_accum):
@@ -94,11 +112,12 @@ def main(argv: list[str]) -> int:
         per_rank = cfg.train.batch_size // ctx.world_size
         if ctx.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
-        if ctx.local_rank == 0:  # one decode per node; the others read the cache it leaves
-            images = load_image_set(cfg.data.root, download=cfg.data.download, cache_dir=cfg.data.cache_dir)
-        distlib.barrier()
-        if ctx.local_rank != 0:
-            images = load_image_set(cfg.data.root, download=False, cache_dir=cfg.data.cache_dir)
+        with shared_errors(DataError):  # bad data: every rank stops with the same message
+            if ctx.local_rank == 0:  # one decode per node; the others read the cache it leaves
+                images = load_image_set(cfg.data.root, download=cfg.data.download, cache_dir=cfg.data.cache_dir)
+        with shared_errors(DataError):
+            if ctx.local_rank != 0:
+                images = load_image_set(cfg.data.root, download=False, cache_dir=cfg.data.cache_dir)
         x_train, y_train = images.x_train, images.y_train
         if cfg.data.train_subset:
             x_train, y_train = x_train[: cfg.data.train_subset], y_train[: cfg.data.train_subset]
@@ -150,11 +169,7 @@ def main(argv: list[str]) -> int:
             )
         run = RunDir(cfg.run.out_dir, ctx.is_main)
         run.write_text("config.yaml", dump_yaml(cfg))
-        run.start_metrics(0)
         run.write_text("environment.json", environment_json(ctx))  # a collective: every rank calls it
-        curves = CurvePlot(
-            os.path.join(run.path, "curves.png"), run.read_metrics(), title=cfg.run.name, enabled=ctx.is_main
-        )
         log.info(
             "%s: %d params, %d train / %d test images, global batch %d over %d rank(s), %d steps/epoch",
             cfg.model.name, count_params(model), len(y_train), len(y_test), cfg.train.batch_size,
@@ -191,15 +206,44 @@ def main(argv: list[str]) -> int:
             evaluate(model, x_test, y_test, loader, ctx, autocast, cfg.train.tta, cfg.train.tta_translate)
             torch.cuda.synchronize()
 
+        # ---- resume from the newest checkpoint in out_dir (a restart under torchrun --max-restarts);
+        # after the warm-up, which resets the optimizer state: the state is copied into its tensors
+        ckpt = Checkpointer(os.path.join(run.path, "checkpoints"), keep=cfg.run.keep_checkpoints, is_main=ctx.is_main)
+        state = {"model": model, "optimizer": opt, "scheduler": sched, **({"ema": ema} if ema is not None else {})}
+        fprint = fingerprint(model, steps_per_epoch=len(loader), **resume_settings(cfg))
+        resumed = ckpt.resume(state, fingerprint=fprint, enabled=cfg.run.resume, epochs=cfg.train.epochs)
+        loader.set_epoch(resumed.epoch)
+        run.start_metrics(resumed.epoch)
+        curves = CurvePlot(
+            os.path.join(run.path, "curves.png"), run.read_metrics(), title=cfg.run.name, enabled=ctx.is_main
+        )
+
         # ---- train -------------------------------------------------------------------
-        train_s = 0.0
-        t_start = time.perf_counter()
+        train_s = resumed.extra.get("train_s", 0.0)
+        t_start = time.perf_counter() - resumed.extra.get("elapsed_s", 0.0)
+        stop = StopSignal(timeout_s=cfg.dist.timeout_s)  # SIGTERM/SIGINT: every rank stops at one step boundary
+
+        def save_checkpoint(epoch: int, step: int, loss_sum=None, epoch_s: float = 0.0) -> None:  # a collective
+            extra = {"train_s": train_s, "elapsed_s": time.perf_counter() - t_start, "epoch_s": epoch_s}
+            ckpt.save(state, epoch=epoch, step=step, global_step=epoch * len(loader) + step, fingerprint=fprint,
+                      extra=extra, rank_extra={} if loss_sum is None else {"loss_sum": loss_sum})  # fmt: skip
+
         progress.start(epochs=cfg.train.epochs, steps_per_epoch=len(loader), images_per_step=cfg.train.batch_size)
         prof.start()
-        for epoch in range(1, cfg.train.epochs + 1):
-            t0 = time.perf_counter()
-            loss_sum = torch.zeros((), device=ctx.device)
-            for x, y in loader:
+        for epoch in range(resumed.epoch + 1, cfg.train.epochs + 1):
+            first = resumed.step if epoch == resumed.epoch + 1 else 0  # steps already done in this epoch
+            t0 = time.perf_counter() - (resumed.extra.get("epoch_s", 0.0) if first else 0.0)
+            loss_sum = resumed.rank_extra.get("loss_sum", torch.zeros(())) if first else torch.zeros(())
+            loss_sum = loss_sum.to(ctx.device)
+            for step, (x, y) in enumerate(itertools.islice(loader, first, None), first):
+                if stop.check():
+                    save_checkpoint(epoch - 1, step, loss_sum, epoch_s=time.perf_counter() - t0)
+                    if ctx.is_main:
+                        log.warning(
+                            "stopped by %s at epoch %d step %d; checkpoint saved in %s: run the same command "
+                            "to continue", stop.name, epoch, step, ckpt.directory,
+                        )  # fmt: skip
+                    return stop.exit_code
                 loss = train_step(x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True))
                 loss_sum += loss
                 sched.step()
@@ -217,8 +261,12 @@ def main(argv: list[str]) -> int:
                 t_eval = time.perf_counter()
                 if cfg.dist.mode == "fallback":
                     replicas.sync_buffers()  # BatchNorm statistics averaged over every GPU into the root
+                eval_model = ema.module if ema is not None else model
+                # each rank's BatchNorm statistics follow its own batches: average them, so that
+                # every rank evaluates the same model and the accuracy does not depend on the world size
+                distlib.sync_buffers(eval_model)
                 acc = evaluate(
-                    ema.module if ema is not None else model, x_test, y_test, loader, ctx, autocast,
+                    eval_model, x_test, y_test, loader, ctx, autocast,
                     tta=cfg.train.tta and last_epoch, translate=cfg.train.tta_translate,
                 )  # fmt: skip
                 if last_epoch:  # airbench's clock: training from the first step through the final evaluation
@@ -235,18 +283,36 @@ def main(argv: list[str]) -> int:
                 "lr": opt.param_groups[0]["lr"],
                 "world_size": ctx.world_size,
             }
-            run.log_metrics(row)
+            run.log_metrics(row)  # before the checkpoint: a crash in between rewrites the row, never skips it
+            if last_epoch or (cfg.run.checkpoint_every and epoch % cfg.run.checkpoint_every == 0):
+                save_checkpoint(epoch, 0)
             progress.epoch_end(row)
             curves.add(row)
         progress.finish(run.read_metrics())
         curves.write()
+        stop.close()
         return 0
-    except (DataError, ValueError) as e:
+    except (DataError, ValueError, CheckpointError) as e:
         log.error("%s", e)
         return 2
+    except RuntimeError as e:  # a collective timed out or lost a peer: say so, and leave without the barrier
+        message = describe(e, rank=ctx.rank, timeout_s=cfg.dist.timeout_s)
+        if message is None:
+            raise
+        log.error("%s", message)
+        abort()
+        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
+        log.warning("interrupted")
+        abort()
+        return 130
     finally:
         prof.close()
         progress.close()
+        if stop is not None:
+            stop.restore_handlers()
+        if watchdog is not None:
+            watchdog.close()
         distlib.shutdown()
 
 

@@ -7,7 +7,15 @@ sync = distlib.GradSync(model)             # after loss.backward(): sync.wait()
 distlib.shutdown()
 """
 
-from distlib.collectives import all_gather_object, all_reduce, barrier, broadcast, broadcast_object, reduce
+from distlib.collectives import (
+    all_gather_object,
+    all_reduce,
+    barrier,
+    broadcast,
+    broadcast_object,
+    reduce,
+    sync_buffers,
+)
 from distlib.comm_fallback import Replicas
 from distlib.grad_sync import GradSync
 from distlib.log import get_logger
@@ -33,4 +41,5 @@ __all__ = [
     "init",
     "reduce",
     "shutdown",
+    "sync_buffers",
 ]

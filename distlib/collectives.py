@@ -103,3 +103,23 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def sync_buffers(module: torch.nn.Module) -> None:
+    """Average ``module``'s floating-point buffers (BatchNorm running statistics) over the
+    ranks and take rank 0's other buffers, so that every rank evaluates the same model.
+
+    Every rank must call it, in the same order.
+    """
+    if not _active():
+        return
+    floats = [b for b in module.buffers() if b.is_floating_point()]
+    for dtype in sorted({b.dtype for b in floats}, key=str):
+        group = [b for b in floats if b.dtype == dtype]
+        flat = torch.cat([b.detach().reshape(-1) for b in group])
+        all_reduce(flat, op="mean")
+        for b, part in zip(group, flat.split([b.numel() for b in group])):
+            b.detach().copy_(part.view(b.shape))
+    for b in module.buffers():
+        if not b.is_floating_point():
+            dist.broadcast(b.detach(), src=0)

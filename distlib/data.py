@@ -61,23 +61,57 @@ def _signature(root: str, layout: str) -> str:
     return h.hexdigest()[:16]
 
 
+def _read_image(path: str) -> torch.Tensor | str:
+    """An RGB uint8 CHW tensor, or the reason the file cannot be decoded (an exception
+    raised in a DataLoader worker would reach us wrapped in its traceback text)."""
+    from PIL import Image
+    from torchvision.transforms.functional import pil_to_tensor
+
+    try:
+        with Image.open(path) as im:
+            return pil_to_tensor(im.convert("RGB"))
+    except Exception as e:  # PIL raises several types for truncated or foreign files
+        return f"{type(e).__name__}: {e}"
+
+
+def _collate(batch: list[tuple[torch.Tensor | str, int]]) -> tuple[torch.Tensor | None, torch.Tensor, list]:
+    """Stack a batch; when that is impossible, return the problems (position, text) instead."""
+    labels = torch.tensor([y for _, y in batch], dtype=torch.long)
+    problems = [(i, x) for i, (x, _) in enumerate(batch) if isinstance(x, str)]
+    if not problems:
+        first = batch[0][0].shape
+        problems = [(i, f"image is {tuple(x.shape)} (C, H, W), others are {tuple(first)}")
+                    for i, (x, _) in enumerate(batch) if x.shape != first]  # fmt: skip
+    if problems:
+        return None, labels, problems
+    return torch.stack([x for x, _ in batch]), labels, []
+
+
 def _decode_imagefolder(path: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     from torchvision.datasets import ImageFolder
-    from torchvision.transforms import PILToTensor
 
-    ds = ImageFolder(path, transform=PILToTensor())
+    ds = ImageFolder(path, loader=_read_image)
     if len(ds) == 0:
         raise DataError(f"{path}: no images found")
     workers = min(16, os.cpu_count() or 1)
-    loader = torch.utils.data.DataLoader(ds, batch_size=500, num_workers=workers if workers > 1 else 0)
+    batch_size = 500
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=batch_size, num_workers=workers if workers > 1 else 0, collate_fn=_collate
+    )  # fmt: skip
     xs, ys = [], []
-    try:
-        for x, y in loader:
-            xs.append(x)
-            ys.append(y)
-    except RuntimeError as e:  # a collate error means images of different sizes
-        raise DataError(f"{path}: could not decode the images into one tensor ({e})") from e
-    return torch.cat(xs), torch.cat(ys).long(), list(ds.classes)
+    for b, (x, y, problems) in enumerate(loader):
+        if not problems and xs and x.shape[1:] != xs[0].shape[1:]:
+            problems = [(0, f"image is {tuple(x.shape[1:])} (C, H, W), {ds.samples[0][0]} is {tuple(xs[0].shape[1:])}")]
+        if problems:
+            i, text = problems[0]
+            more = f" (and {len(problems) - 1} more in the same batch)" if len(problems) > 1 else ""
+            raise DataError(
+                f"{ds.samples[b * batch_size + i][0]}: corrupt or unusable image: {text}{more}; "
+                "delete or replace the file"
+            )
+        xs.append(x)
+        ys.append(y)
+    return torch.cat(xs), torch.cat(ys), list(ds.classes)
 
 
 def _decode(root: str, layout: str, download: bool, scratch: str) -> ImageSet:

@@ -378,18 +378,7 @@ class GradSync:
     def sync_buffers(self) -> None:
         """Average the floating-point buffers (BatchNorm running statistics) over the ranks and take
         rank 0's other buffers, e.g. before evaluating. A collective: every rank must call it."""
-        if self.world_size == 1:
-            return
-        floats = [b for b in self.model.buffers() if b.is_floating_point()]
-        others = [b for b in self.model.buffers() if not b.is_floating_point()]
-        for dtype in {b.dtype for b in floats}:
-            group = [b for b in floats if b.dtype == dtype]
-            flat = torch.cat([b.reshape(-1) for b in group])
-            collectives.all_reduce(flat, op="mean")
-            for b, part in zip(group, flat.split([b.numel() for b in group])):
-                b.copy_(part.view(b.shape))
-        for b in others:
-            dist.broadcast(b, src=0)
+        collectives.sync_buffers(self.model)
 
     def bucket_sizes(self) -> list[int]:
         """Bytes of each bucket, in launch order."""

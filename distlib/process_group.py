@@ -99,6 +99,23 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+def _restart_safe_store(info: EnvInfo, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, a store whose keys are new for each restart of the workers; None otherwise.
+
+    torchrun's agent keeps one store for the whole job, and torch's own keys carry
+    no attempt number: after ``--max-restarts`` restarts the workers, the new ranks
+    read the dead ranks' gloo/NCCL addresses and fail with "Connection refused".
+    TORCHELASTIC_RESTART_COUNT is the same on every node (a peer's death fails
+    the workers of every node, and each agent counts one restart).
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, info.world_size, is_master=False, timeout=timeout)  # the agent hosts it
+    return dist.PrefixStore(f"distlib/attempt{attempt}", store)
+
+
 _CONTEXT: Context | None = None
 
 
@@ -130,13 +147,25 @@ def init(backend: str = "auto", timeout_s: float = 300.0, *, gpus_per_process: i
         kwargs = {}
         if name == "nccl":
             kwargs["device_id"] = device  # binds the communicator to this GPU, eager init
-        dist.init_process_group(
-            backend=name,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            rank=info.rank,
-            world_size=info.world_size,
-            **kwargs,
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            dist.init_process_group(
+                backend=name,
+                timeout=timeout,
+                rank=info.rank,
+                world_size=info.world_size,
+                store=_restart_safe_store(info, timeout),
+                **kwargs,
+            )
+        except dist.DistNetworkError as e:  # rank 0 hosts the store on MASTER_PORT when torchrun does not
+            where = f"MASTER_ADDR={os.environ['MASTER_ADDR']} MASTER_PORT={os.environ['MASTER_PORT']}"
+            if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
+                raise EnvError(
+                    f"cannot start the process group: {where} is already in use by another process "
+                    "(another job, or a leftover one); choose a free port, or let torchrun pick one "
+                    "with --standalone"
+                ) from e
+            raise EnvError(f"cannot start the process group at {where}: {str(e).splitlines()[0]}") from e
     _CONTEXT = Context(
         rank=info.rank,
         local_rank=info.local_rank,

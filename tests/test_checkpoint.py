@@ -1,0 +1,221 @@
+"""Checkpoints: round trip, atomic writes, retention, corrupt files, foreign checkpoints, per-rank state."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import random
+import struct
+
+import pytest
+import torch
+
+from distlib.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    Resumed,
+    fingerprint,
+    read_verified,
+    write_atomic,
+)
+from distlib.models import param_groups, small_cnn
+from distlib.schedule import warmup_linear
+
+
+def make(width: int = 4, seed: int = 0):
+    torch.manual_seed(seed)
+    model = small_cnn(10, width)
+    opt = torch.optim.SGD(param_groups(model, 5e-4), lr=0.1, momentum=0.9, nesterov=True)
+    sched = warmup_linear(opt, 100, 0.1)
+    return model, opt, sched
+
+
+def train_steps(model, opt, sched, n: int = 2) -> None:
+    for _ in range(n):
+        model(torch.randn(4, 3, 16, 16)).logsumexp(1).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+
+def objects(model, opt, sched) -> dict:
+    return {"model": model, "optimizer": opt, "scheduler": sched}
+
+
+@pytest.fixture
+def warnings_of_distlib():
+    """Records what the distlib logger says (it does not propagate to pytest's caplog)."""
+    records: list[logging.LogRecord] = []
+
+    class ListHandler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = ListHandler(logging.WARNING)
+    logger = logging.getLogger("distlib")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def saved_three(tmp_path, keep: int = 3):
+    model, opt, sched = make()
+    fp = fingerprint(model, lr=0.1)
+    ck = Checkpointer(str(tmp_path), keep=keep)
+    for epoch in (1, 2, 3):
+        train_steps(model, opt, sched)
+        ck.save(objects(model, opt, sched), epoch=epoch, step=0, global_step=epoch * 2, fingerprint=fp)
+    return ck, fp
+
+
+def test_round_trip_restores_model_optimizer_schedule_rng_and_position(tmp_path):
+    model, opt, sched = make()
+    train_steps(model, opt, sched, 3)
+    fp = fingerprint(model, **{"model.name": "small_cnn", "train.lr": 0.1})
+    ck = Checkpointer(str(tmp_path / "ck"))
+    random.seed(5)
+    torch.manual_seed(7)
+    path = ck.save(objects(model, opt, sched), epoch=2, step=5, global_step=21, fingerprint=fp, extra={"t": 1.5})
+    assert os.path.basename(path) == "epoch0002-step000005.pt"
+    expected_rand, expected_py = torch.rand(3), random.random()
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    ref_opt = copy.deepcopy(opt.state_dict())
+    train_steps(model, opt, sched, 2)  # move everything away from the saved state
+
+    m2, o2, s2 = make(seed=1)
+    resumed = Checkpointer(str(tmp_path / "ck")).load(
+        objects(m2, o2, s2), fingerprint=fingerprint(m2, **fp["settings"])
+    )
+    assert (resumed.epoch, resumed.step, resumed.global_step, resumed.extra) == (2, 5, 21, {"t": 1.5})
+    for k, v in m2.state_dict().items():
+        assert torch.equal(v, reference[k]), k
+    for i, st in ref_opt["state"].items():
+        assert torch.equal(o2.state_dict()["state"][i]["momentum_buffer"], st["momentum_buffer"])
+    assert s2.last_epoch == 3 and o2.param_groups[0]["lr"] == ref_opt["param_groups"][0]["lr"]
+    assert torch.equal(torch.rand(3), expected_rand) and random.random() == expected_py
+
+
+def test_file_holds_only_tensors_and_plain_containers(tmp_path):
+    ck, _ = saved_three(tmp_path)
+    payload = torch.load(ck.paths()[0], weights_only=True)  # would raise on any pickled object
+
+    def walk(x):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(k)
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        else:
+            assert isinstance(x, (torch.Tensor, str, int, float, bool, type(None))), type(x)
+
+    walk(payload)
+
+
+def test_empty_directory_is_a_fresh_start(tmp_path):
+    model, opt, sched = make()
+    assert (
+        Checkpointer(str(tmp_path / "none")).load(objects(model, opt, sched), fingerprint=fingerprint(model))
+        == Resumed()
+    )
+
+
+def test_keeps_only_the_newest(tmp_path):
+    ck, _ = saved_three(tmp_path, keep=2)
+    names = [os.path.basename(p) for p in ck.paths()]
+    assert names == ["epoch0003-step000000.pt", "epoch0002-step000000.pt"]
+    assert sorted(os.listdir(tmp_path)) == sorted(names)  # no temporary files left behind
+
+
+def test_interrupted_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    path = str(tmp_path / "epoch0001-step000000.pt")
+    write_atomic({"a": torch.ones(3)}, path)
+
+    def crash(obj, f, *a, **k):
+        f.write(b"PK\x03\x04 half a zip")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError):
+        write_atomic({"a": torch.zeros(3)}, path)
+    assert os.listdir(tmp_path) == ["epoch0001-step000000.pt"]
+    assert torch.equal(torch.load(path, weights_only=True)["a"], torch.ones(3))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_bytes", "empty"])
+def test_corrupt_newest_falls_back_to_the_previous(tmp_path, damage, warnings_of_distlib):
+    ck, fp = saved_three(tmp_path)
+    newest = ck.paths()[0]
+    data = bytearray(open(newest, "rb").read())
+    if damage == "truncate":
+        data = data[: len(data) * 2 // 3]
+    elif damage == "flip_bytes":
+        for i in range(len(data) // 2, len(data) // 2 + 64):
+            data[i] ^= 0xFF
+    else:
+        data = bytearray()
+    open(newest, "wb").write(bytes(data))
+    model, opt, sched = make()
+    resumed = ck.load(objects(model, opt, sched), fingerprint=fp)
+    assert resumed.epoch == 2 and resumed.path == ck.paths()[1]
+    text = " ".join(r.getMessage() for r in warnings_of_distlib)
+    assert "epoch0003-step000000.pt" in text and "older checkpoint" in text
+
+
+def test_a_changed_tensor_value_fails_the_checksum(tmp_path):
+    model, opt, sched = make()
+    with torch.no_grad():
+        model[-1].bias.fill_(1.2345678)  # a value whose bytes are easy to find in the file
+    ck = Checkpointer(str(tmp_path))
+    path = ck.save(objects(model, opt, sched), epoch=1, step=0, global_step=1, fingerprint=fingerprint(model))
+    data = bytearray(open(path, "rb").read())
+    at = data.find(struct.pack("<f", 1.2345678) * 4)
+    assert at > 0
+    data[at] ^= 0x01  # the zip and the pickle stay valid: only the checksum can tell
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        read_verified(path)
+
+
+def test_no_readable_checkpoint_is_a_clear_error(tmp_path):
+    ck, fp = saved_three(tmp_path)
+    for p in ck.paths():
+        open(p, "wb").write(b"not a checkpoint")
+    model, opt, sched = make()
+    with pytest.raises(CheckpointError, match="none of the 3 checkpoint"):
+        ck.load(objects(model, opt, sched), fingerprint=fp)
+
+
+def test_checkpoint_of_another_model_or_config_names_the_difference(tmp_path):
+    ck, _ = saved_three(tmp_path)
+    model, opt, sched = make(width=8)
+    with pytest.raises(CheckpointError) as err:
+        ck.load(objects(model, opt, sched), fingerprint=fingerprint(model, lr=0.2))
+    text = str(err.value)
+    assert "lr: checkpoint has 0.1, this run has 0.2" in text
+    assert "0.0.weight ([4, 3, 3, 3] float32 in the checkpoint, [8, 3, 3, 3] float32 here)" in text
+    assert "run.resume=false" in text
+
+
+def test_temporary_files_are_not_checkpoints(tmp_path):
+    ck, _ = saved_three(tmp_path)
+    open(tmp_path / ".tmp-1-abcd-epoch0009-step000000.pt", "wb").write(b"partial")
+    assert os.path.basename(ck.paths()[0]) == "epoch0003-step000000.pt"
+    assert ck.clear() == 3 and ck.paths() == []
+
+
+def test_optimizer_state_is_restored_into_the_tensors_it_had(tmp_path):
+    """A captured CUDA graph keeps using the momentum buffers it was captured with."""
+    model, opt, sched = make()
+    train_steps(model, opt, sched, 2)
+    ck = Checkpointer(str(tmp_path))
+    ck.save(objects(model, opt, sched), epoch=1, step=0, global_step=2, fingerprint=fingerprint(model))
+    saved = [s["momentum_buffer"].clone() for s in opt.state.values()]
+    train_steps(model, opt, sched, 2)
+    buffers = [s["momentum_buffer"] for s in opt.state.values()]
+    ck.load(objects(model, opt, sched), fingerprint=fingerprint(model))
+    after = [s["momentum_buffer"] for s in opt.state.values()]
+    assert all(a is b for a, b in zip(after, buffers))
+    assert all(torch.equal(a, s) for a, s in zip(after, saved))

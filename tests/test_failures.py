@@ -1,0 +1,32 @@
+"""describe(): a collective's timeout or lost peer becomes a message; other errors are left alone."""
+
+from __future__ import annotations
+
+from distlib.failures import describe
+
+GLOO_TIMEOUT = "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv"
+GLOO_RESET = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error: Connection reset by peer"
+
+
+def raised(message: str) -> RuntimeError:
+    try:
+        raise RuntimeError(message)
+    except RuntimeError as e:
+        return e
+
+
+def test_a_gloo_timeout_says_who_waited_where_and_how_long():
+    text = describe(raised(GLOO_TIMEOUT), rank=3, timeout_s=10)
+    assert text.startswith("rank 3 timed out waiting for the other ranks in a collective (called from tests/")
+    assert "after 10 s (dist.timeout_s)" in text and "Timed out waiting 10000ms" in text
+
+
+def test_a_lost_peer_is_named_as_such():
+    text = describe(raised(GLOO_RESET), rank=0, timeout_s=10)
+    assert text.startswith("rank 0 lost the connection to another rank in a collective")
+
+
+def test_other_errors_are_not_described():
+    assert describe(raised("CUDA out of memory"), rank=0, timeout_s=10) is None
+    assert describe(raised("the DataLoader timed out"), rank=0, timeout_s=10) is None
+    assert describe(ValueError("gloo timed out"), rank=0, timeout_s=10) is None

@@ -1,0 +1,525 @@
+"""End to end on the CPU: resume after a killed worker, SIGTERM/SIGINT, a stalled rank,
+two torchrun "nodes", and every bad input of the README's table.
+
+The torchrun runs train the demo's small CNN (width 8) on 2,048 images for 3
+epochs: 16 steps an epoch on 2 gloo ranks on the CPU, also on a GPU machine
+(bit-for-bit checks need the CPU). The GPU variants at the end run with NCCL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import launch  # noqa: E402
+from distlib.data import load_image_set  # noqa: E402
+from distlib.watchdog import grace_s  # noqa: E402
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+DEMO = ["recipes/demo.yaml", "train.epochs=3", "data.train_subset=2048", "model.width=8", "run.checkpoint_every=1"]
+CPU = ["dist.backend=gloo"]  # gloo ranks use the CPU even where a GPU exists
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+FINAL = "epoch0003-step000000.pt"
+
+pytestmark = pytest.mark.slow
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def decoded_demo_data():
+    """Decode the demo set once so that no run spends its collective timeout decoding it; one
+    thread for the in-process runs, as for the workers (OMP_NUM_THREADS=1): CI's cores are busy."""
+    load_image_set(os.path.join(ROOT, "data/cifar10-demo"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def no_job_outlives_its_test():
+    yield
+    while Job.running:
+        job = Job.running.pop()
+        if job.proc.poll() is None:  # a test failed before its job ended
+            job.kill()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    """A torchrun (or python) command running in the background, its output in a file."""
+
+    running: list[Job] = []
+
+    def __init__(self, cmd: list[str], log_path: str):
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=self.log, stderr=subprocess.STDOUT)
+        self.seen: set[int] = set()  # every worker (and watchdog) pid seen, to check none is left
+        Job.running.append(self)
+
+    def kill(self) -> None:
+        """SIGKILL the job and everything below it (torchrun's workers live in their own sessions)."""
+        for pid in [p for p, _ in descendants(self.proc.pid)] + [self.proc.pid]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def wait(self, timeout: float = 240) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.log.close()
+
+    @property
+    def output(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def workers(self) -> dict[int, int]:
+        """rank -> pid of the current workers (children of torchrun that have RANK set)."""
+        out = {}
+        tree = descendants(self.proc.pid)
+        self.seen.update(p for p, _ in tree)
+        for pid, parent in tree:
+            if parent != self.proc.pid:
+                continue  # a worker's own children (its watchdog) inherit RANK too
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            for e in env:
+                if e.startswith(b"RANK="):
+                    out[int(e[5:])] = pid
+        return out
+
+
+def descendants(root: int) -> list[tuple[int, int]]:
+    """(pid, parent pid) of every process below ``root``."""
+    children: dict[int, list[int]] = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                ppid = int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(p))
+    out, todo = [], [root]
+    while todo:
+        parent = todo.pop()
+        for c in children.get(parent, []):
+            out.append((c, parent))
+            todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def torchrun(
+    out_dir: str, *overrides: str, nproc: int = 2, extra: tuple[str, ...] = (), name: str = "run", device=CPU
+) -> Job:
+    cmd = TORCHRUN + ["--standalone", f"--nproc-per-node={nproc}", *extra, "launch.py", *DEMO, *device]
+    cmd += [f"run.out_dir={out_dir}", *overrides]
+    return Job(cmd, os.path.join(os.path.dirname(out_dir), f"{name}.log"))
+
+
+def wait_for_file(path: str, job: Job, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert job.proc.poll() is None, f"the run ended before {path} appeared:\n{job.output[-3000:]}"
+        assert time.monotonic() < end, f"{path} did not appear:\n{job.output[-3000:]}"
+        job.workers()  # remember pids while they live
+        time.sleep(0.02)
+    job.workers()
+
+
+def metrics(out_dir: str) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def trajectory(out_dir: str) -> list[tuple]:
+    """What must be bit-for-bit equal between runs (timings are not)."""
+    return [(r["epoch"], r["train_loss"], r["test_acc"], r["lr"]) for r in metrics(out_dir)]
+
+
+def final_model(out_dir: str) -> dict[str, torch.Tensor]:
+    return torch.load(os.path.join(out_dir, "checkpoints", FINAL), weights_only=True)["state"]["model"]
+
+
+def assert_same_model(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs"
+
+
+def assert_nothing_left(job: Job) -> None:
+    time.sleep(0.5)
+    left = [p for p in job.seen if alive(p)]
+    assert not left, f"processes left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted 2-rank run on one node."""
+    out = str(tmp_path_factory.mktemp("reference") / "out")
+    job = torchrun(out, name="reference")
+    assert job.wait() == 0, job.output[-3000:]
+    return {"trajectory": trajectory(out), "model": final_model(out)}
+
+
+# ---- resume, signals, stalls ---------------------------------------------------------------
+
+
+def test_a_killed_worker_is_restarted_and_the_run_resumes_to_the_same_result(tmp_path, reference):
+    out = str(tmp_path / "out")
+    job = torchrun(out, extra=("--max-restarts=1",), name="killed")
+    wait_for_file(os.path.join(out, "checkpoints", "epoch0001-step000000.pt"), job)
+    os.kill(job.workers()[1], signal.SIGKILL)
+    assert job.wait() == 0, job.output[-4000:]
+    assert "rank 0 lost the connection to another rank in " in job.output
+    assert "failed (exitcode: -9) local_rank: 1" in job.output
+    assert "resuming from" in job.output and "epoch0001-step000000.pt" in job.output
+    epochs = [r["epoch"] for r in metrics(out)]
+    assert epochs == [1, 2, 3]  # no epoch twice, none skipped
+    assert trajectory(out) == reference["trajectory"]
+    assert_same_model(final_model(out), reference["model"])
+    assert_nothing_left(job)
+
+
+def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_the_rerun_ends_the_same(tmp_path, reference):
+    out = str(tmp_path / "out")
+    job = torchrun(out, name="sigterm")
+    wait_for_file(os.path.join(out, "checkpoints", "epoch0001-step000000.pt"), job)
+    time.sleep(0.3)  # into epoch 2
+    job.proc.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to every worker
+    code = job.wait(timeout=60)
+    assert code == 1  # torchrun reports a signal as a failure; a worker alone exits 143
+    m = re.search(r"stopped by SIGTERM at epoch (\d+) step (\d+); checkpoint saved", job.output)
+    assert m, job.output[-3000:]
+    assert job.output.count("stopped by SIGTERM") == 1  # said once, by rank 0
+    epoch, step = int(m.group(1)), int(m.group(2))
+    assert os.path.exists(os.path.join(out, "checkpoints", f"epoch{epoch - 1:04d}-step{step:06d}.pt"))
+    assert [r["epoch"] for r in metrics(out)] == list(range(1, epoch))
+    assert_nothing_left(job)
+
+    again = torchrun(out, name="sigterm-resumed")
+    assert again.wait() == 0, again.output[-3000:]
+    assert f"epoch {epoch - 1}, step {step}" in again.output
+    assert trajectory(out) == reference["trajectory"]  # bit-for-bit, from the middle of an epoch
+    assert_same_model(final_model(out), reference["model"])
+
+
+def test_a_stopped_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path):
+    out = str(tmp_path / "out")
+    timeout = 10
+    job = torchrun(out, f"dist.timeout_s={timeout}", name="sigstop")
+    wait_for_file(os.path.join(out, "checkpoints", "epoch0001-step000000.pt"), job)
+    stalled = job.workers()[1]
+    os.kill(stalled, signal.SIGSTOP)
+    t0 = time.monotonic()
+    code = job.wait(timeout=120)
+    took = time.monotonic() - t0
+    assert code == 1
+    assert took < timeout + grace_s(timeout) + 8, f"took {took:.1f} s"  # 8 s: torchrun's teardown on a busy CI
+    output = job.output
+    # the collective is named when the traceback shows it (not for an asynchronous one's wait())
+    assert re.search(r"rank 0 timed out waiting for the other ranks in [\w ]+ \(called from ", output), output[-3000:]
+    assert f"after {timeout} s (dist.timeout_s)" in output
+    assert f"[distlib watchdog] rank 1 (pid {stalled} on " in output and "state T (stopped)" in output
+    assert_nothing_left(job)
+
+
+def test_sigint_stops_a_single_process_run_with_a_checkpoint_and_exit_130(tmp_path):
+    out = str(tmp_path / "out")
+    job = Job([sys.executable, "launch.py", *DEMO, *CPU, f"run.out_dir={out}"], str(tmp_path / "sigint.log"))
+    wait_for_file(os.path.join(out, "checkpoints", "epoch0001-step000000.pt"), job)
+    job.proc.send_signal(signal.SIGINT)
+    assert job.wait(timeout=60) == 130
+    m = re.search(r"stopped by SIGINT at epoch (\d+) step (\d+)", job.output)
+    assert m, job.output[-3000:]
+    epoch, step = int(m.group(1)), int(m.group(2))
+    assert os.path.exists(os.path.join(out, "checkpoints", f"epoch{epoch - 1:04d}-step{step:06d}.pt"))
+
+
+def test_two_nodes_give_the_same_result_as_one(tmp_path, reference):
+    out = str(tmp_path / "out")
+    port = free_port()
+    jobs = [
+        Job(
+            TORCHRUN
+            + [
+                "--nnodes=2",
+                f"--node-rank={n}",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=two-nodes",
+                "launch.py",
+                *DEMO,
+                *CPU,
+                f"run.out_dir={out}",
+            ],
+            str(tmp_path / f"node{n}.log"),
+        )  # fmt: skip
+        for n in (0, 1)
+    ]
+    for job in jobs:
+        assert job.wait() == 0, job.output[-3000:]
+    assert "world_size=2" in jobs[0].output + jobs[1].output
+    assert trajectory(out) == reference["trajectory"]
+    assert_same_model(final_model(out), reference["model"])
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def distlib_log():
+    """What the distlib logger says during an in-process launch.main (it does not propagate)."""
+    records: list[str] = []
+
+    class ListHandler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = ListHandler()
+    logger = logging.getLogger("distlib")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def run_launch(tmp_path, *overrides: str, recipe: str = "recipes/demo.yaml") -> int:
+    """launch.main in this process (world size 1): fast, for errors found before training."""
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        return launch.main([recipe, "train.epochs=1", "data.train_subset=256", "model.width=4",
+                            f"run.out_dir={tmp_path / 'out'}", *overrides])  # fmt: skip
+    finally:
+        os.chdir(cwd)
+
+
+def small_imagefolder(root, corrupt: str = "") -> str:
+    """2 classes x 4 demo JPEGs in train/ and test/, one file replaced by ``corrupt`` bytes."""
+    src = os.path.join(ROOT, "data/cifar10-demo/train")
+    for split in ("train", "test"):
+        for cls in ("cat", "dog"):
+            os.makedirs(os.path.join(root, split, cls))
+            for name in sorted(os.listdir(os.path.join(src, cls)))[:4]:
+                shutil.copy(os.path.join(src, cls, name), os.path.join(root, split, cls, name))
+    bad = os.path.join(root, "train", "dog", "0001.jpg")
+    if corrupt == "truncated":
+        data = open(bad, "rb").read()
+        open(bad, "wb").write(data[: len(data) // 3])
+    elif corrupt == "not_an_image":
+        open(bad, "wb").write(b"this is not a JPEG")
+    return bad
+
+
+# The exit code of each situation in the README's table (rows found by the start of their first cell).
+CASES = {
+    "malformed YAML": 2,
+    "unknown config key": 2,
+    "wrong type": 2,
+    "missing data": 2,
+    "corrupt image": 2,
+    "batch size does not divide": 2,
+    "more processes than GPUs": 2,
+    "port in use, rank 0 hosts the store": 2,
+    "checkpoint of another model or config": 2,
+    "no readable checkpoint": 2,
+    "corrupt newest checkpoint": 0,
+}
+# The codes the torchrun and signal tests above check, as the README's table words them.
+RUNTIME = {
+    "port in use, `torchrun --master-port": "1 (torchrun)",
+    "a rank killed, under `torchrun --max-restarts": "0",
+    "a stalled rank": "1 (torchrun)",
+    "SIGTERM": "143 (`python launch.py`); torchrun exits 1",  # 143: test_stop.py
+    "SIGINT": "130 (`python launch.py`); torchrun exits 1",
+}
+
+
+def test_malformed_or_unknown_config(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    assert run_launch(tmp_path, recipe=str(bad)) == CASES["malformed YAML"]
+    assert "malformed YAML" in capsys.readouterr().err
+    assert run_launch(tmp_path, "train.epoch=3") == CASES["unknown config key"]
+    assert "train.epoch: unknown key (valid keys here: epochs," in capsys.readouterr().err
+    assert run_launch(tmp_path, "train.batch_size=big") == CASES["wrong type"]
+    assert "train.batch_size: expected int, got 'big'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_missing_data(tmp_path, distlib_log):
+    assert run_launch(tmp_path, f"data.root={tmp_path / 'nowhere'}") == CASES["missing data"]
+    assert any("no data set at data.root=" in m for m in distlib_log)
+
+
+@pytest.mark.parametrize("corrupt", ["truncated", "not_an_image"])
+def test_corrupt_image(tmp_path, corrupt, distlib_log):
+    bad = small_imagefolder(str(tmp_path / "images"), corrupt)
+    code = run_launch(tmp_path, f"data.root={tmp_path / 'images'}", f"data.cache_dir={tmp_path / 'cache'}")
+    assert code == CASES["corrupt image"]
+    assert any(m.startswith(f"{bad}: corrupt or unusable image: ") for m in distlib_log), distlib_log
+
+
+def test_batch_size_that_does_not_divide(tmp_path, distlib_log):
+    assert run_launch(tmp_path, "train.batch_size=100", "train.grad_accum=3") == CASES["batch size does not divide"]
+    assert any("train.batch_size=100 must divide evenly over 1 ranks x train.grad_accum=3" in m for m in distlib_log)
+
+
+def test_more_processes_than_gpus(tmp_path, monkeypatch, capsys):
+    env = dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    for k, v in {**env, "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert run_launch(tmp_path) == CASES["more processes than GPUs"]
+    assert "2 processes on this node but only 1 GPU(s) visible" in capsys.readouterr().err
+
+
+def test_port_in_use(tmp_path, monkeypatch, capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+        for k, v in {**env, "MASTER_PORT": str(port)}.items():
+            monkeypatch.setenv(k, v)
+        assert run_launch(tmp_path, "dist.backend=gloo") == CASES["port in use, rank 0 hosts the store"]
+        assert f"MASTER_PORT={port} is already in use" in capsys.readouterr().err
+
+        # torchrun itself binds --master-port before any worker runs: its own error, exit code 1
+        monkeypatch.undo()
+        t0 = time.monotonic()
+        r = subprocess.run(TORCHRUN + ["--nproc-per-node=2", f"--master-port={port}", "launch.py", *DEMO],
+                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert r.returncode == 1 and time.monotonic() - t0 < 60
+        assert "EADDRINUSE" in r.stderr and f"port: {port}" in r.stderr
+
+
+def test_checkpoint_of_another_model_or_config(tmp_path, distlib_log):
+    assert run_launch(tmp_path) == 0
+    assert run_launch(tmp_path, "model.width=8", "train.lr=0.3") == CASES["checkpoint of another model or config"]
+    text = "\n".join(distlib_log)
+    assert "is from another model or config" in text
+    assert (
+        "model.width: checkpoint has 4, this run has 8" in text
+        and "train.lr: checkpoint has 0.2, this run has 0.3" in text
+    )
+    assert run_launch(tmp_path, "model.width=8", "train.lr=0.3", "run.resume=false") == 0  # start over
+
+
+def test_corrupt_checkpoints(tmp_path, distlib_log):
+    first = ("train.epochs=2", "run.checkpoint_every=1")
+    assert run_launch(tmp_path, *first) == 0
+    newest, older = sorted((tmp_path / "out" / "checkpoints").iterdir(), reverse=True)
+    newest.write_bytes(newest.read_bytes()[:1000])
+    assert run_launch(tmp_path, *first) == CASES["corrupt newest checkpoint"]
+    assert any(m.startswith("resuming from the older checkpoint") for m in distlib_log)
+    assert [r["epoch"] for r in metrics(str(tmp_path / "out"))] == [1, 2]
+    for p in (tmp_path / "out" / "checkpoints").iterdir():
+        p.write_bytes(p.read_bytes()[:1000])
+    assert run_launch(tmp_path, *first) == CASES["no readable checkpoint"]
+    assert any("none of the 2 checkpoint(s) in" in m and "is usable" in m for m in distlib_log)
+
+
+def test_the_readme_table_matches_these_tests():
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text.split("## Reliability and errors", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| Situation")]
+    codes = {}
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        if cells[0].startswith("---"):
+            continue
+        codes[cells[0]] = cells[-1]
+    expected = {**{k: str(v) for k, v in CASES.items()}, **RUNTIME}
+    for case, code in expected.items():
+        matching = [k for k in codes if k.lower().startswith(case.lower())]
+        assert len(matching) == 1, f"README's table has {len(matching)} rows for {case!r}"
+        assert codes[matching[0]] == code, (case, codes[matching[0]])
+    assert len(codes) == len(expected), f"rows no test checks: {set(codes) - set(expected)}"
+
+
+# ---- the same on two GPUs with NCCL (skipped on CPU machines) ---------------------------------
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+NCCL = ["dist.backend=nccl"]
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_gpu_a_killed_worker_is_restarted_and_resumes(tmp_path):
+    out = str(tmp_path / "out")
+    job = torchrun(out, extra=("--max-restarts=1",), name="gpu-killed", device=NCCL)
+    wait_for_file(os.path.join(out, "checkpoints", "epoch0001-step000000.pt"), job)
+    os.kill(job.workers()[1], signal.SIGKILL)
+    assert job.wait() == 0, job.output[-4000:]
+    assert "backend=nccl" in job.output and "resuming from" in job.output
+    assert [r["epoch"] for r in metrics(out)] == [1, 2, 3]
+    assert_nothing_left(job)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_gpu_sigterm_saves_and_the_rerun_finishes(tmp_path):
+    out = str(tmp_path / "out")
+    job = torchrun(out, name="gpu-sigterm", device=NCCL)
+    wait_for_file(os.path.join(out, "checkpoints", "epoch0001-step000000.pt"), job)
+    time.sleep(0.3)
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=60) == 1
+    assert "stopped by SIGTERM at epoch" in job.output, job.output[-3000:]
+    assert_nothing_left(job)
+    again = torchrun(out, name="gpu-sigterm-resumed", device=NCCL)
+    assert again.wait() == 0, again.output[-3000:]
+    assert [r["epoch"] for r in metrics(out)] == [1, 2, 3]
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_gpu_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
+    out = str(tmp_path / "out")
+    timeout = 20
+    job = torchrun(out, f"dist.timeout_s={timeout}", "train.epochs=30", name="gpu-sigstop", device=NCCL)
+    wait_for_file(os.path.join(out, "checkpoints", "epoch0001-step000000.pt"), job)
+    stalled = job.workers()[1]
+    os.kill(stalled, signal.SIGSTOP)
+    t0 = time.monotonic()
+    code = job.wait(timeout=180)
+    took = time.monotonic() - t0
+    assert code == 1 and took < timeout + grace_s(timeout) + 10, (code, took, job.output[-4000:])
+    assert f"[distlib watchdog] rank 1 (pid {stalled} on " in job.output
+    assert_nothing_left(job)

@@ -1,0 +1,145 @@
+"""Checkpoints, stop signals and failure handling on two real gloo ranks.
+
+The scenarios run in one pair of rank processes (spawning ranks costs seconds
+on a busy CI machine); each test below checks one of them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distlib.checkpoint import Checkpointer, CheckpointError, fingerprint
+from distlib.data import DataError
+from distlib.failures import describe, shared_errors
+from distlib.stop import StopSignal
+from tests.multiproc import run_ranks
+from tests.test_checkpoint import make, objects
+
+
+def _per_rank_checkpoint(ctx, directory: str) -> dict:
+    model, opt, sched = make()
+    fp = fingerprint(model)
+    ck = Checkpointer(directory, is_main=ctx.is_main)
+    torch.manual_seed(100 + ctx.rank)  # RNG states differ per rank
+    bn = model[0][1]
+    bn.running_mean.fill_(float(ctx.rank))  # so do BatchNorm statistics, from each rank's own batches
+    path = ck.save(objects(model, opt, sched), epoch=1, step=3, global_step=7, fingerprint=fp,
+                   rank_extra={"loss_sum": torch.tensor(10.0 + ctx.rank)})  # fmt: skip
+    expected = torch.rand(2)
+    torch.manual_seed(999)
+    bn.running_mean.fill_(-1.0)
+    resumed = Checkpointer(directory, is_main=ctx.is_main).load(objects(model, opt, sched), fingerprint=fp)
+    return {
+        "path": path,
+        "loss_sum": resumed.rank_extra["loss_sum"].item(),
+        "rng": torch.equal(torch.rand(2), expected),
+        "bn": bn.running_mean.tolist(),
+    }
+
+
+def _failed_write(ctx, directory: str) -> str:
+    model, opt, sched = make()
+    try:
+        Checkpointer(directory, is_main=ctx.is_main).save(
+            objects(model, opt, sched), epoch=1, step=0, global_step=1, fingerprint=fingerprint(model)
+        )
+    except CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def _stop_agreement(ctx) -> dict:
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopSignal(timeout_s=60)
+    step = 0
+    while not stop.check():
+        step += 1
+        if ctx.rank == 1 and step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # one rank only, as a scheduler may do
+        assert step < 50, "the ranks never agreed to stop"
+    stop.close()
+    return {
+        "step": step,
+        "name": stop.name,
+        "code": stop.exit_code,
+        "restored": signal.getsignal(signal.SIGTERM) is before,
+    }
+
+
+def _shared_error(ctx) -> str:
+    try:
+        with shared_errors(DataError):
+            if ctx.rank == 1:
+                raise DataError("data/x.png: corrupt")
+    except DataError as e:
+        return str(e)
+    return "no error"
+
+
+def _real_timeout(ctx) -> str | None:
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2))
+    message = None
+    if ctx.rank == 0:  # rank 1 never joins this all_reduce: rank 0 must time out, not hang
+        try:
+            dist.all_reduce(torch.ones(1), group=group)
+        except RuntimeError as e:
+            message = describe(e, rank=0, timeout_s=2)
+    dist.barrier()
+    return message
+
+
+def _scenarios(ctx, tmp: str) -> dict:
+    blocker = os.path.join(tmp, "a-file")
+    if ctx.is_main:
+        open(blocker, "w").write("a file where a directory should be")
+    dist.barrier()
+    return {
+        "checkpoint": _per_rank_checkpoint(ctx, os.path.join(tmp, "ck")),
+        "failed_write": _failed_write(ctx, os.path.join(blocker, "checkpoints")),
+        "stop": _stop_agreement(ctx),
+        "shared_error": _shared_error(ctx),
+        "timeout": _real_timeout(ctx),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_ranks(_scenarios, 2, str(tmp_path_factory.mktemp("ranks")), timeout=180)
+
+
+def test_each_rank_gets_back_its_own_rng_buffers_and_values(two_ranks):
+    r0, r1 = (r["checkpoint"] for r in two_ranks)
+    assert r0["path"] is not None and r1["path"] is None  # only rank 0 writes
+    assert (r0["loss_sum"], r1["loss_sum"]) == (10.0, 11.0)
+    assert r0["rng"] and r1["rng"]
+    assert set(r0["bn"]) == {0.0} and set(r1["bn"]) == {1.0}
+
+
+def test_a_failed_write_fails_every_rank_instead_of_hanging(two_ranks):
+    for r in two_ranks:
+        assert r["failed_write"].startswith("rank 0 could not write checkpoint"), r["failed_write"]
+
+
+def test_a_signal_to_one_rank_stops_all_at_the_same_step(two_ranks):
+    s0, s1 = (r["stop"] for r in two_ranks)
+    assert s0 == s1, (s0, s1)
+    assert s0["step"] == 4  # signal before step 4's check; agreed one check later
+    assert (s0["name"], s0["code"], s0["restored"]) == ("SIGTERM", 143, True)
+
+
+def test_an_expected_error_on_one_rank_is_raised_on_every_rank(two_ranks):
+    assert two_ranks[1]["shared_error"] == "data/x.png: corrupt"
+    assert two_ranks[0]["shared_error"] == "(on rank 1) data/x.png: corrupt"
+
+
+def test_a_collective_timeout_is_explained(two_ranks):
+    message = two_ranks[0]["timeout"]
+    assert message is not None
+    assert message.startswith("rank 0 timed out waiting for the other ranks in all_reduce (called from ")
+    assert "tests/test_reliability_ranks.py" in message and "after 2 s (dist.timeout_s)" in message
