@@ -141,7 +141,9 @@ def main(argv: list[str]) -> int:
             replicas.check_batch(per_rank, cfg.train.grad_accum)
             loss_fn = functools.partial(F.cross_entropy, label_smoothing=cfg.train.label_smoothing)
         else:
-            sync = distlib.GradSync(model, bucket_mb=cfg.dist.bucket_mb, compress=cfg.dist.compress)
+            sync = distlib.GradSync(
+                model, bucket_mb=cfg.dist.bucket_mb, compress=cfg.dist.compress, comm_groups=cfg.dist.comm_groups
+            )
         opt = torch.optim.SGD(
             param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr,
             momentum=cfg.train.momentum, nesterov=cfg.train.nesterov,

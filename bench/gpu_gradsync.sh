@@ -4,12 +4,14 @@
 #
 #   bash bench/gpu_gradsync.sh        # from the repository root; the anchors in .bench/anchor
 #
-# 1. python -m distlib.bench all on 2 GPUs: all_reduce bus bandwidth (raw vs GradSync's buckets,
-#    1 MB ... 1 GB, a synthetic 100M-parameter model) and ResNet18-CIFAR images/s at 512 per GPU
-#    for single-eager, single-graph, ddp-eager, distlib-eager and distlib-graph   -> bench.json
+# 1. python -m distlib.bench all on 2 GPUs: all_reduce bus bandwidth (raw vs GradSync's buckets
+#    spread over 1, 2 and 4 communicators, 1 MB ... 1 GB, a synthetic 100M-parameter model per
+#    value) and ResNet18-CIFAR images/s at 512 per GPU for single-eager, single-graph, ddp-eager,
+#    distlib-eager and distlib-graph (the distlib modes with comm_groups 1 and 2) -> bench.json
 #    (and, where distlib/comm_fallback.py exists, the fallback mode: one process, both GPUs)
 # 2. the anchors in the same call: rn18_throughput.py MODE=single and MODE=ddp, allreduce_bw.py
 # 3. the GPU tests: NCCL equivalence on 2 GPUs, captured step == eager step on 1 and 2 GPUs
+#    (on 2 GPUs also with the buckets on 2 communicators)
 # 4. anchor/graph_step.py on 2 processes under a hang alarm: where it hangs (see distlib/cuda_graph.py)
 # 5. bench/gradsync_report.py: a Markdown summary with the ratios -> gradsync_summary.md
 #
@@ -36,7 +38,8 @@ part() {  # part NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/NAM
 { nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())'; } >"$OUT/env.log" 2>&1
 cat "$OUT/env.log"
 
-TAIL=45 part bench 200 $TORCHRUN -m distlib.bench all --json "$OUT/bench.json" --hang-timeout-s 90
+TAIL=55 part bench 210 $TORCHRUN -m distlib.bench all --groups 1,2,4 --comm-groups 1,2 \
+    --json "$OUT/bench.json" --hang-timeout-s 90
 if [ -f distlib/comm_fallback.py ]; then  # issue 4's mode, once merged: one process drives both GPUs
     part bench_fallback 50 python3 -m distlib.bench step --modes fallback --json "$OUT/bench_fallback.json"
 fi

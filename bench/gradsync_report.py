@@ -67,23 +67,30 @@ def main(out: str) -> int:
     if ar:
         anchor_bw = _anchor_busbw(_read(os.path.join(out, "anchor_allreduce_bw.log")))
         alt = ar.get("also_bucket_mb", 0) > 0
+        groups = ar.get("groups", [1])
         title = f"## all_reduce fp32, {ar['world']} GPUs, bus bandwidth GB/s"
-        head = f"| bytes | raw | {ar['bucket_mb']:g} MB buckets (n) | ratio |"
-        head += f" {ar['also_bucket_mb']:g} MB buckets (n) | ratio |" if alt else ""
-        lines += ["", title, "", head + " anchor allreduce_bw.py |", "|---" * (7 if alt else 5) + "|"]
+        note = (
+            f"{ar['bucket_mb']:g} MB buckets launched back to back, bucket i on communicator i % n "
+            "(GradSync's `comm_groups=n`); ratio = bucketed / raw"
+        )
+        head = "| bytes | raw | buckets |" + "".join(f" n={n} | ratio |" for n in groups)
+        head += f" {ar['also_bucket_mb']:g} MB buckets (n=1) | ratio |" if alt else ""
+        cols = 3 + 2 * len(groups) + (2 if alt else 0) + 1
+        lines += ["", title, "", note, "", head + " anchor allreduce_bw.py |", "|---" * cols + "|"]
         for r in ar["rows"]:
             a = anchor_bw.get(r["bytes"])
-            line = f"| {r['bytes']} | {r['raw_busbw']:.1f} | {r['bucketed_busbw']:.1f} ({r['buckets']}) |"
-            line += f" {r['ratio']:.3f} |"
+            line = f"| {r['bytes']} | {r['raw_busbw']:.1f} | {r['buckets']} |"
+            line += "".join(f" {b['busbw']:.1f} | {b['ratio']:.3f} |" for b in r["bucketed"])
             if alt:
                 line += f" {r['alt_bucketed_busbw']:.1f} ({r['alt_buckets']}) | {r['alt_ratio']:.3f} |"
             lines.append(line + f" {a if a is not None else '-'} |")
-        m = ar["model_sync"]
-        lines.append(
-            f"\nSynthetic {m['params'] / 1e6:.1f}M-parameter model ({m['buckets']} buckets): GradSync sync "
-            f"{m['sync_ms']:.2f} ms ({m['sync_busbw']:.1f} GB/s) vs one raw all_reduce {m['raw_ms']:.2f} ms "
-            f"({m['raw_busbw']:.1f} GB/s): {m['ratio']:.3f}."
-        )
+        lines.append("")
+        for m in ar["model_sync"]:
+            lines.append(
+                f"Synthetic {m['params'] / 1e6:.1f}M-parameter model ({m['buckets']} buckets, {m['groups']} "
+                f"communicator(s)): GradSync sync {m['sync_ms']:.2f} ms ({m['sync_busbw']:.1f} GB/s) vs one raw "
+                f"all_reduce {m['raw_ms']:.2f} ms ({m['raw_busbw']:.1f} GB/s): {m['ratio']:.3f}."
+            )
     if bench.get("summary"):
         lines += ["", "## Targets", ""] + [f"- {k}: {v}" for k, v in bench["summary"].items()]
     probe = _read(os.path.join(out, "graph_step_probe.log"))

@@ -8,14 +8,17 @@
 
 allreduce: raw ``torch.distributed.all_reduce`` of one buffer against GradSync's bucketed
 all_reduce of the same bytes (a small first bucket, then ``--bucket-mb`` each, launched back to
-back, as GradSync does), and the gradient sync of a synthetic ``--model-params`` model through a
-real GradSync. Bus bandwidth as nccl-tests defines it: bytes * 2 (n - 1) / n / time.
+back, as GradSync does), once per ``--groups`` value n (bucket i on communicator i % n, as
+``GradSync(comm_groups=n)`` does), and the gradient sync of a synthetic ``--model-params`` model
+through a real GradSync for each n. Bus bandwidth as nccl-tests defines it:
+bytes * 2 (n - 1) / n / time.
 
 step: training images/s on synthetic data kept on the device (bf16 autocast and channels_last on
 GPUs), ``--batch`` images per GPU, for the modes single-eager, single-graph (one GPU each, every
 rank alone), ddp-eager (DistributedDataParallel, the anchor), distlib-eager, distlib-graph
-(GradSync, without and with whole-step CUDA graph capture) and fallback (one process drives all
-its GPUs: distlib.comm_fallback, issue 4). Runs on CPU/gloo too, with small sizes.
+(GradSync, without and with whole-step CUDA graph capture; once per ``--comm-groups`` value, the
+rows of n > 1 named e.g. ``distlib-graph:g2``) and fallback (one process drives all its GPUs:
+distlib.comm_fallback, issue 4). Runs on CPU/gloo too, with small sizes.
 
 The last lines printed are a short summary table; ``--json PATH`` writes every result.
 """
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import distlib
+from distlib.collectives import comm_groups
 from distlib.cuda_graph import CapturedStep
 from distlib.grad_sync import GradSync
 from distlib.models import build_model
@@ -111,6 +115,8 @@ def bench_allreduce(args: argparse.Namespace, ctx) -> dict:
         raise BenchUnavailable("allreduce needs >= 2 ranks: start it with torchrun --nproc-per-node=N")
     device = ctx.device
     avg = dist.ReduceOp.AVG if ctx.backend == "nccl" else None
+    # new_group is a collective: created here on every rank, in the same order, and shared
+    groups = {n: comm_groups(n) for n in sorted({1, *args.groups})}
     rows = []
     for mb in args.sizes_mb:
         _watchdog(args.hang_timeout_s)
@@ -119,37 +125,48 @@ def bench_allreduce(args: argparse.Namespace, ctx) -> dict:
         iters = args.iters if mb < 64 else max(5, args.iters // 4)
         raw = _timed(lambda buf=buf: dist.all_reduce(buf), iters, 3, device)
         nbytes = numel * 4
-        row = {"bytes": nbytes, "raw_us": raw * 1e6, "raw_busbw": _busbw(nbytes, raw, world)}
-        for key, bucket_mb in (("", args.bucket_mb), ("alt_", args.also_bucket_mb)):
-            if bucket_mb <= 0:
-                continue
-            views = [buf[a:b] for a, b in bucket_bounds(numel, 4, bucket_mb, args.first_bucket_mb)]
-
-            def bucketed(views=views):
-                works = []
-                for v in views:
-                    if avg is None:
-                        v.div_(world)  # gloo has no AVG: GradSync pre-divides
-                    works.append(dist.all_reduce(v, op=avg or dist.ReduceOp.SUM, async_op=True))
-                for w in works:
-                    w.wait()
-
-            buck = _timed(bucketed, iters, 3, device)
-            row[f"{key}buckets"] = len(views)
-            row[f"{key}bucketed_us"] = buck * 1e6
-            row[f"{key}bucketed_busbw"] = _busbw(nbytes, buck, world)
-            row[f"{key}ratio"] = raw / buck
+        row = {"bytes": nbytes, "raw_us": raw * 1e6, "raw_busbw": _busbw(nbytes, raw, world), "bucketed": []}
+        views = [buf[a:b] for a, b in bucket_bounds(numel, 4, args.bucket_mb, args.first_bucket_mb)]
+        row["buckets"] = len(views)
+        for n in args.groups:
+            buck = _timed(lambda n=n, views=views: _bucketed(views, groups[n], avg, world), iters, 3, device)
+            row["bucketed"].append(
+                {"groups": n, "us": buck * 1e6, "busbw": _busbw(nbytes, buck, world), "ratio": raw / buck}
+            )
+        if args.also_bucket_mb > 0:  # one communicator
+            alt = [buf[a:b] for a, b in bucket_bounds(numel, 4, args.also_bucket_mb, args.first_bucket_mb)]
+            buck = _timed(lambda alt=alt: _bucketed(alt, groups[1], avg, world), iters, 3, device)
+            row["alt_buckets"] = len(alt)
+            row["alt_bucketed_us"] = buck * 1e6
+            row["alt_bucketed_busbw"] = _busbw(nbytes, buck, world)
+            row["alt_ratio"] = raw / buck
         rows.append(row)
     _free(device)
-    model_sync = _bench_model_sync(args, ctx)
+    model_sync = []
+    for n in args.groups:
+        model_sync.append(_bench_model_sync(args, ctx, n))
+        _free(device)  # the last model's buffers are gone before the next one is built
     _watchdog(0)
     return {
         "rows": rows,
         "model_sync": model_sync,
+        "groups": args.groups,
         "bucket_mb": args.bucket_mb,
         "also_bucket_mb": args.also_bucket_mb,
         "world": world,
     }
+
+
+def _bucketed(views: list[torch.Tensor], groups: list, avg, world: int) -> None:
+    """GradSync's launches: every bucket's async all_reduce back to back, bucket i on
+    ``groups[i % n]`` (the same order on every rank), then wait for all."""
+    works = []
+    for i, v in enumerate(views):
+        if avg is None:
+            v.div_(world)  # gloo has no AVG: GradSync pre-divides
+        works.append(dist.all_reduce(v, op=avg or dist.ReduceOp.SUM, group=groups[i % len(groups)], async_op=True))
+    for w in works:
+        w.wait()
 
 
 class _Synthetic(nn.Module):
@@ -164,13 +181,15 @@ class _Synthetic(nn.Module):
         self.weights = nn.ParameterList(nn.Parameter(torch.zeros(per // cols, cols)) for _ in range(count))
 
 
-def _bench_model_sync(args: argparse.Namespace, ctx) -> dict:
-    """GradSync's sync time for a synthetic model with every gradient ready at once (no backward
-    to overlap with), against one raw all_reduce of the same bytes."""
+def _bench_model_sync(args: argparse.Namespace, ctx, groups: int) -> dict:
+    """GradSync's sync time (``comm_groups=groups``) for a synthetic model with every gradient
+    ready at once (no backward to overlap with), against one raw all_reduce of the same bytes."""
     _watchdog(args.hang_timeout_s)
     device, world = ctx.device, ctx.world_size
     model = _Synthetic(int(args.model_params)).to(device)
-    sync = GradSync(model, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
+    sync = GradSync(
+        model, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb, broadcast=False, comm_groups=groups
+    )
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     order = sorted(sync._slots, key=lambda s: -s.index)  # backward order: last layer first
@@ -186,6 +205,7 @@ def _bench_model_sync(args: argparse.Namespace, ctx) -> dict:
     flat = torch.randn(nbytes // 4, device=device)
     raw = _timed(lambda: dist.all_reduce(flat), max(3, args.iters // 4), 2, device)
     out = {
+        "groups": groups,
         "params": sum(p.numel() for p in model.parameters()),
         "bytes": nbytes,
         "buckets": len(sync.buckets),
@@ -201,27 +221,28 @@ def _bench_model_sync(args: argparse.Namespace, ctx) -> dict:
 
 def format_allreduce(res: dict) -> str:
     alt = res["also_bucket_mb"] > 0
+    groups = res["groups"]
     lines = [
         f"all_reduce fp32, {res['world']} ranks, bus bandwidth GB/s (nccl-tests definition); "
-        f"bucketed = GradSync's buckets of {res['bucket_mb']:g} MB launched back to back"
-        + (f" (and of {res['also_bucket_mb']:g} MB)" if alt else ""),
-        f"{'bytes':>12} {'raw us':>10} {'raw GB/s':>9} {'buckets':>8} {'bucketed us':>12} {'GB/s':>8} {'ratio':>6}"
-        + (f" {'buckets':>8} {'GB/s':>8} {'ratio':>6}" if alt else ""),
+        f"g<n> = GradSync's buckets of {res['bucket_mb']:g} MB launched back to back, bucket i on "
+        f"communicator i % n" + (f"; alt = buckets of {res['also_bucket_mb']:g} MB, one communicator" if alt else ""),
+        f"{'bytes':>12} {'raw us':>10} {'raw GB/s':>9} {'buckets':>8}"
+        + "".join(f" {f'g{n} GB/s':>9} {'ratio':>6}" for n in groups)
+        + (f" {'buckets':>8} {'alt GB/s':>9} {'ratio':>6}" if alt else ""),
     ]
     for r in res["rows"]:
-        line = (
-            f"{r['bytes']:>12} {r['raw_us']:>10.1f} {r['raw_busbw']:>9.2f} {r['buckets']:>8} "
-            f"{r['bucketed_us']:>12.1f} {r['bucketed_busbw']:>8.2f} {r['ratio']:>6.3f}"
-        )
+        line = f"{r['bytes']:>12} {r['raw_us']:>10.1f} {r['raw_busbw']:>9.2f} {r['buckets']:>8}"
+        line += "".join(f" {b['busbw']:>9.2f} {b['ratio']:>6.3f}" for b in r["bucketed"])
         if alt:
-            line += f" {r['alt_buckets']:>8} {r['alt_bucketed_busbw']:>8.2f} {r['alt_ratio']:>6.3f}"
+            line += f" {r['alt_buckets']:>8} {r['alt_bucketed_busbw']:>9.2f} {r['alt_ratio']:>6.3f}"
         lines.append(line)
-    m = res["model_sync"]
-    lines.append(
-        f"synthetic model, {m['params'] / 1e6:.1f}M params ({m['bytes'] / _MB:.0f} MB of fp32 gradients), "
-        f"{m['buckets']} buckets: GradSync sync {m['sync_ms']:.3f} ms = {m['sync_busbw']:.2f} GB/s; "
-        f"one raw all_reduce {m['raw_ms']:.3f} ms = {m['raw_busbw']:.2f} GB/s; ratio {m['ratio']:.3f}"
-    )
+    for m in res["model_sync"]:
+        lines.append(
+            f"synthetic model, {m['params'] / 1e6:.1f}M params ({m['bytes'] / _MB:.0f} MB of fp32 gradients), "
+            f"{m['buckets']} buckets on {m['groups']} communicator(s): GradSync sync {m['sync_ms']:.3f} ms = "
+            f"{m['sync_busbw']:.2f} GB/s; one raw all_reduce {m['raw_ms']:.3f} ms = {m['raw_busbw']:.2f} GB/s; "
+            f"ratio {m['ratio']:.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -265,7 +286,7 @@ def _loss_fn(model: nn.Module, device: torch.device, bf16: bool) -> Callable[...
     return loss_fn
 
 
-def _run_mode(mode: str, args, ctx) -> StepResult:
+def _run_mode(mode: str, args, ctx, groups: int = 1) -> StepResult:
     device = ctx.device
     world = ctx.world_size
     bf16 = args.precision == "bf16" and device.type == "cuda"
@@ -284,7 +305,7 @@ def _run_mode(mode: str, args, ctx) -> StepResult:
             model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=args.bucket_mb
         )
     elif mode.startswith("distlib"):
-        sync = GradSync(model, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
+        sync = GradSync(model, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb, comm_groups=groups)
     loss_fn = _loss_fn(net, device, bf16)
     captured = None
     if graph:
@@ -305,13 +326,15 @@ def _run_mode(mode: str, args, ctx) -> StepResult:
     seconds = _timed(step, args.steps, args.warmup, device)
     if sync is not None:
         extra["bucket_mb"] = [round(b / _MB, 2) for b in sync.bucket_sizes()]
+        extra["comm_groups"] = groups
     if captured is not None:
         extra["captured"] = captured.captured
         captured.close()
     used = world if mode in MULTI_RANK else 1
     if sync is not None:
         sync.close()
-    return StepResult(mode, used, args.batch, seconds * 1e3, args.batch * used / seconds, extra=extra)
+    name = f"{mode}:g{groups}" if groups > 1 else mode
+    return StepResult(name, used, args.batch, seconds * 1e3, args.batch * used / seconds, extra=extra)
 
 
 def fallback_step(args: argparse.Namespace) -> StepResult:
@@ -340,7 +363,9 @@ def bench_step(args: argparse.Namespace, ctx) -> list[StepResult]:
     if ctx.device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     results = []
-    for mode in args.modes:
+    # GradSync's modes once per --comm-groups value (n > 1 named mode:g<n>), the others once
+    runs = [(m, n) for m in args.modes for n in (args.comm_groups if m.startswith("distlib") else [1])]
+    for mode, groups in runs:
         _watchdog(args.hang_timeout_s)
         distlib.barrier()
         try:
@@ -349,9 +374,9 @@ def bench_step(args: argparse.Namespace, ctx) -> list[StepResult]:
                     raise BenchUnavailable("one process for all GPUs: `python -m distlib.bench step --modes fallback`")
                 res = fallback_step(args)
             else:
-                res = _run_mode(mode, args, ctx)
+                res = _run_mode(mode, args, ctx, groups)
         except BenchUnavailable as e:
-            res = StepResult(mode, note=str(e))
+            res = StepResult(f"{mode}:g{groups}" if groups > 1 else mode, note=str(e))
         _free(ctx.device)
         results.append(res)
         if ctx.is_main and not args.quiet:
@@ -362,11 +387,11 @@ def bench_step(args: argparse.Namespace, ctx) -> list[StepResult]:
 
 def _step_row(r: StepResult, ddp: float | None) -> str:
     if r.note:
-        return f"{r.mode:<14} {'-':>5} {'-':>9} {'-':>9} {'-':>11} {'-':>8}  {r.note}"
+        return f"{r.mode:<16} {'-':>5} {'-':>9} {'-':>9} {'-':>11} {'-':>8}  {r.note}"
     ratio = f"{r.images_per_s / ddp:.3f}" if ddp else "-"
     extra = " ".join(f"{k}={v}" for k, v in r.extra.items())
     return (
-        f"{r.mode:<14} {r.world:>5} {r.per_gpu_batch:>9} {r.step_ms:>9.2f} {r.images_per_s:>11.0f} {ratio:>8}  {extra}"
+        f"{r.mode:<16} {r.world:>5} {r.per_gpu_batch:>9} {r.step_ms:>9.2f} {r.images_per_s:>11.0f} {ratio:>8}  {extra}"
     )
 
 
@@ -376,7 +401,7 @@ def format_step(results: list[StepResult], args) -> str:
     lines = [
         f"training step, {args.model}, {args.batch} images per GPU, synthetic data on the device, "
         f"{precision}{', channels_last' if args.channels_last else ''}",
-        f"{'mode':<14} {'GPUs':>5} {'batch/GPU':>9} {'step ms':>9} {'images/s':>11} {'vs DDP':>8}",
+        f"{'mode':<16} {'GPUs':>5} {'batch/GPU':>9} {'step ms':>9} {'images/s':>11} {'vs DDP':>8}",
     ]
     lines += [_step_row(r, ddp) for r in results]
     return "\n".join(lines)
@@ -398,12 +423,21 @@ def summary(out: dict) -> list[tuple[str, str]]:
         if "ddp-eager" in steps:
             ratio = r["images_per_s"] / steps["ddp-eager"]["images_per_s"]
             rows.append(("distlib graph / DDP eager (target >= 1.9)", f"{ratio:.3f}"))
+    for name, r in steps.items():
+        if ":g" in name and name.split(":")[0] in steps:  # GradSync on several communicators vs one
+            ratio = r["images_per_s"] / steps[name.split(":")[0]]["images_per_s"]
+            rows.append((f"{name} / {name.split(':')[0]}", f"{ratio:.3f}"))
     ar = out.get("allreduce")
     if ar:
-        big = [r["ratio"] for r in ar["rows"] if r["bytes"] >= 64 * _MB]
-        if big:
-            rows.append(("bucketed / raw bus bandwidth, min over >= 64 MB (target >= 0.95)", f"{min(big):.3f}"))
-        rows.append(("synthetic model: GradSync sync / one raw all_reduce", f"{ar['model_sync']['ratio']:.3f}"))
+        big = [r for r in ar["rows"] if r["bytes"] >= 64 * _MB]
+        for i, n in enumerate(ar["groups"]):
+            if big:
+                worst = min(r["bucketed"][i]["ratio"] for r in big)
+                label = f"bucketed / raw bus bandwidth, {n} communicator(s), min over >= 64 MB (target >= 0.95)"
+                rows.append((label, f"{worst:.3f}"))
+        for m in ar["model_sync"]:
+            label = f"synthetic model: GradSync sync ({m['groups']} communicator(s)) / one raw all_reduce"
+            rows.append((label, f"{m['ratio']:.3f}"))
     return rows
 
 
@@ -429,6 +463,17 @@ def _floats(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v]
 
 
+def _counts(text: str) -> list[int]:
+    """Comma-separated integers >= 1, without repeats (argparse reports a bad value)."""
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA when present")
@@ -447,6 +492,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--also-bucket-mb", type=float, default=100.0, help="a second bucket size to compare (0: none; default 100)"
     )
     ar.add_argument("--model-params", type=float, default=100e6, help="synthetic model size (default 100e6)")
+    ar.add_argument(
+        "--groups",
+        type=_counts,
+        default=[1, 2, 4],
+        help="communicators the buckets go to round-robin: a column per value (comma-separated; default 1,2,4)",
+    )
 
     st = argparse.ArgumentParser(add_help=False)
     st.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES), help=f"comma-separated of {MODES}")
@@ -458,6 +509,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     st.add_argument("--warmup", type=int, default=10, help="untimed steps first (graph modes capture in them)")
     st.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="autocast dtype on GPUs")
     st.add_argument("--no-channels-last", dest="channels_last", action="store_false")
+    st.add_argument(
+        "--comm-groups",
+        type=_counts,
+        default=[1],
+        help="GradSync's comm_groups for the distlib modes, comma-separated: a row per value (default 1)",
+    )
 
     p = argparse.ArgumentParser(
         prog="python -m distlib.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -1,4 +1,4 @@
-"""Barrier, reduce, all_reduce, broadcast and all_gather_object.
+"""Barrier, reduce, all_reduce, broadcast and all_gather_object; extra communicators.
 
 Every function here is a collective: every rank must call it, in the same
 order, with tensors of the same shape and dtype. At world size 1 (no process
@@ -7,6 +7,7 @@ group) each is a no-op that returns its input.
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import torch
@@ -103,6 +104,49 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+# (the default group they were created under, the extra groups over all ranks); reset when the
+# default group changes (destroyed and initialized again)
+_EXTRA_GROUPS: tuple[Any, list[dist.ProcessGroup]] | None = None
+
+
+def _world_timeout() -> datetime.timedelta | None:
+    """The default group's timeout, or None where this torch does not expose it. New groups get
+    torch's own default otherwise (10 minutes on NCCL, 30 on gloo), and a hang on them would
+    outlast the job's ``dist.timeout_s``."""
+    try:
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return dist.group.WORLD._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def comm_groups(n: int) -> list[dist.ProcessGroup | None]:
+    """``n`` process groups over all ranks, each with its own communicator: the default group
+    (``None``) and ``n - 1`` more. Collectives on different groups may run at the same time (on
+    NCCL each group has its own CUDA stream); collectives on one group run one after another.
+
+    A collective when it creates groups (``dist.new_group``): every rank must call it, with the
+    same ``n``, in the same order. Groups are created once per process group and shared by every
+    caller: ``comm_groups(3)`` then ``comm_groups(2)`` creates two groups in all, and the second
+    call returns the first two of the first. They take the default group's timeout. Each NCCL
+    communicator holds its own GPU buffers.
+    At world size 1 nothing is created: ``[None] * n``.
+    """
+    global _EXTRA_GROUPS
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"comm_groups: n must be an integer >= 1, got {n!r}")
+    if not _active():
+        return [None] * n
+    world = dist.group.WORLD
+    if _EXTRA_GROUPS is None or _EXTRA_GROUPS[0] is not world:
+        _EXTRA_GROUPS = (world, [])
+    extra = _EXTRA_GROUPS[1]
+    while len(extra) < n - 1:  # the same number of new_group calls on every rank: the same n
+        desc = f"distlib_comm_group_{len(extra) + 1}"
+        extra.append(dist.new_group(timeout=_world_timeout(), group_desc=desc))
+    return [None] + extra[: n - 1]
 
 
 def sync_buffers(module: torch.nn.Module) -> None:

@@ -69,6 +69,7 @@ class DistConfig:
     timeout_s: float = 300.0  # a collective that waits longer fails the job
     mode: Literal["process_per_gpu", "fallback"] = "process_per_gpu"
     bucket_mb: float = 25.0  # gradient bucket size
+    comm_groups: int = 1  # communicators the buckets go to round-robin (their all_reduces overlap)
     compress: Literal["none", "bf16"] = "none"  # gradient compression for the all_reduce
 
 
@@ -190,6 +191,7 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         "profile.active": cfg.profile.active,
         "dist.timeout_s": cfg.dist.timeout_s,
         "dist.bucket_mb": cfg.dist.bucket_mb,
+        "dist.comm_groups": cfg.dist.comm_groups,
         "model.width": cfg.model.width,
         "model.num_classes": cfg.model.num_classes,
         "run.keep_checkpoints": cfg.run.keep_checkpoints,

@@ -24,10 +24,14 @@ Why an NCCL all_reduce inside a captured step hangs, and what this module does a
    on every rank for a given collective. GradSync launches its buckets strictly in bucket order
    and rebuilds its bucket layout (the only host-side collective) during the eager warm-up steps,
    never inside capture; a step that cannot replay (other input shapes) runs eagerly on every
-   rank alike — as long as every rank sees the same shapes.
+   rank alike — as long as every rank sees the same shapes. With ``comm_groups=n`` the buckets
+   go to n communicators, bucket i always to i % n: each communicator keeps one order, and
+   ``GradSync.wait()`` makes the captured stream wait for every group's work.
 4. Lazy connection set-up. NCCL connects the peers of an algorithm/protocol at its first use
    (NCCL_RUNTIME_CONNECT); the warm-up runs exactly the collectives the graph will contain
-   (same buffers, sizes and op), so nothing is connected inside capture.
+   (same buffers, sizes and op), so nothing is connected inside capture. Each warm-up step
+   launches every bucket, so with ``comm_groups=n`` every communicator the graph uses is warmed
+   up too (and the groups themselves are created when GradSync is built, never during capture).
 5. Other threads. The NCCL proxy thread and c10d's watchdog make CUDA calls while we capture;
    in the default "global" capture mode such a call from another thread invalidates the capture.
    We capture with ``capture_error_mode="thread_local"``, as NCCL's documentation advises for

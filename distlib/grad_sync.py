@@ -14,6 +14,10 @@ How it works:
   earlier bucket has been launched (all ranks must issue collectives in the same order), its
   asynchronous all_reduce is launched, overlapping the rest of backward. The division by the
   world size is folded in: ReduceOp.AVG on NCCL, a pre-division on gloo (which has no AVG).
+- Collectives on one communicator run one after another, so a 25 MB bucket only reaches the
+  ~25 MB point of NCCL's bandwidth curve. With ``comm_groups=n`` bucket i goes to process group
+  i % n (each its own communicator and NCCL stream), so consecutive buckets' all_reduces run
+  concurrently. Each group still sees the same collectives in the same order on every rank.
 - Gradients that the backward produced as fresh tensors (after ``opt.zero_grad()``, which sets
   them to None) are copied into the bucket with one multi-tensor copy per bucket; gradients that
   are already bucket views were accumulated in place by autograd and need nothing.
@@ -124,7 +128,10 @@ class GradSync:
     every rank calls it after each synced backward, before the optimizer step. Inside
     ``with sync.no_sync():`` nothing is communicated and gradients accumulate; the next synced
     backward all_reduces the accumulated sum. ``compress="bf16"`` sends bf16 copies of the
-    buckets (half the bytes, bf16 rounding of the average). At world size 1 nothing is done.
+    buckets (half the bytes, bf16 rounding of the average). ``comm_groups=n`` spreads the
+    buckets round-robin over ``n`` communicators (``collectives.comm_groups``, created once per
+    process and shared by every GradSync) so that consecutive buckets' all_reduces overlap. At
+    world size 1 nothing is done (and no group is created).
     """
 
     def __init__(
@@ -135,11 +142,14 @@ class GradSync:
         first_bucket_mb: float = 1.0,
         compress: Literal["none", "bf16"] = "none",
         broadcast: bool = True,
+        comm_groups: int = 1,
     ):
         if bucket_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError(f"bucket sizes must be > 0, got bucket_mb={bucket_mb}, first_bucket_mb={first_bucket_mb}")
         if compress not in ("none", "bf16"):
             raise ValueError(f"compress must be 'none' or 'bf16', got {compress!r}")
+        if isinstance(comm_groups, bool) or not isinstance(comm_groups, int) or comm_groups < 1:
+            raise ValueError(f"comm_groups must be an integer >= 1, got {comm_groups!r}")
         self.model = model
         self.bucket_bytes = int(bucket_mb * _MB)
         self.first_bucket_bytes = int(first_bucket_mb * _MB)
@@ -156,6 +166,8 @@ class GradSync:
         self._storages: list[torch.Tensor] = []
         self._slots = [_Slot(p, i) for i, p in enumerate(self.params)]
         self._hooks: list = []
+        self.comm_groups = comm_groups
+        self._groups: list[dist.ProcessGroup | None] = [None]
         if self.world_size == 1:
             return
         devices = {p.device for p in self.params}
@@ -164,6 +176,8 @@ class GradSync:
         self._preflight()
         if broadcast:
             self._broadcast_state()
+        # new_group is a collective: here, on every rank, once (shared with other GradSyncs)
+        self._groups = collectives.comm_groups(comm_groups)
         backend = dist.get_backend()
         # NCCL averages inside the kernel; gloo has no AVG, so buckets are pre-divided.
         self._op = dist.ReduceOp.AVG if backend == "nccl" else dist.ReduceOp.SUM
@@ -304,7 +318,10 @@ class GradSync:
         if bucket.comp is not None:
             bucket.comp.copy_(bucket.flat)
             payload = bucket.comp
-        bucket.work = dist.all_reduce(payload, op=self._op, async_op=True)
+        # Bucket i always goes to group i % n, and buckets launch in index order: every rank issues
+        # the same collectives on each group in the same order (NCCL and gloo match them by order).
+        group = self._groups[bucket.index % len(self._groups)]
+        bucket.work = dist.all_reduce(payload, op=self._op, group=group, async_op=True)
 
     def wait(self) -> None:
         """Leave every gradient averaged over the ranks (``p.grad`` a view into its bucket).
@@ -317,7 +334,7 @@ class GradSync:
         while self._next_bucket < len(self.buckets):  # buckets whose gradients did not all arrive
             self._launch(self.buckets[self._next_bucket])
             self._next_bucket += 1
-        for b in self.buckets:
+        for b in self.buckets:  # every group's work (on NCCL the current stream waits for each)
             b.work.wait()
             b.work = None
             if b.comp is not None:

@@ -28,6 +28,12 @@ def test_parse_args_defaults_and_errors(capsys):
     with pytest.raises(SystemExit):
         parse_args(["step", "--modes", "turbo"])
     assert "unknown mode 'turbo'" in capsys.readouterr().err
+    assert args.groups == [1, 2, 4] and args.comm_groups == [1]
+    assert parse_args(["allreduce", "--groups", "2,1,2"]).groups == [2, 1]
+    for bad in ("0,2", "two"):
+        with pytest.raises(SystemExit):
+            parse_args(["allreduce", "--groups", bad])
+        assert "--groups" in capsys.readouterr().err
 
 
 def test_bucket_bounds_cut_like_grad_sync():
@@ -56,6 +62,10 @@ def test_tiny_run_on_two_gloo_ranks(tmp_path):
         "--steps=2",
         "--warmup=1",
         "--modes=single-eager,ddp-eager,distlib-eager,distlib-graph,fallback",
+        "--bucket-mb=0.05",  # several buckets, so that they go to several communicators
+        "--first-bucket-mb=0.01",
+        "--groups=1,2",
+        "--comm-groups=1,2",
         f"--json={out_json}",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -66,12 +76,22 @@ def test_tiny_run_on_two_gloo_ranks(tmp_path):
     for mode in ("single-eager", "ddp-eager", "distlib-eager"):
         assert mode in text
     assert "CUDA graphs need a GPU" in text  # distlib-graph on the CPU: reported, not fatal
-    assert text.rstrip().splitlines()[-2].strip().startswith("distlib eager / DDP eager")  # the summary comes last
+    tail = text.rstrip().splitlines()
+    summary = tail[tail.index("summary") + 1 :]  # the summary comes last
+    assert summary[0].strip().startswith("distlib eager / DDP eager")
+    assert any(line.strip().startswith("distlib-eager:g2 / distlib-eager") for line in summary)
+    assert sum("synthetic model: GradSync sync (" in line for line in summary) == 2
     res = json.loads(out_json.read_text())
     steps = {r["mode"]: r for r in res["step"]}
     assert steps["distlib-eager"]["world"] == 2 and steps["distlib-eager"]["images_per_s"] > 0
+    assert steps["distlib-eager:g2"]["images_per_s"] > 0 and steps["distlib-eager:g2"]["extra"]["comm_groups"] == 2
+    assert "CUDA graphs need a GPU" in steps["distlib-graph:g2"]["note"]
     assert steps["single-eager"]["world"] == 1
     assert steps["fallback"]["note"]  # the slot for issue 4's mode: one process for all GPUs
-    assert [r["bytes"] for r in res["allreduce"]["rows"]] == [65536, 262144]
-    assert res["allreduce"]["model_sync"]["sync_ms"] > 0
+    ar = res["allreduce"]
+    assert [r["bytes"] for r in ar["rows"]] == [65536, 262144]
+    assert [r["buckets"] for r in ar["rows"]] == [3, 6]  # 0.01 MB, then 0.05 MB each
+    for r in ar["rows"]:
+        assert [b["groups"] for b in r["bucketed"]] == [1, 2] and all(b["busbw"] > 0 for b in r["bucketed"])
+    assert [m["groups"] for m in ar["model_sync"]] == [1, 2] and all(m["sync_ms"] > 0 for m in ar["model_sync"])
     assert res["environment"]["world_size"] == 2

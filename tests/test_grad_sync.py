@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from multiproc import run_ranks
 from torch import nn
@@ -200,6 +201,107 @@ def test_bf16_compression_close_to_exact_and_buffer_sync():
         assert mean == [0.5, 0.5, 0.5] and tracked == 10  # running statistics averaged, counters from rank 0
 
 
+# ---- buckets spread over several communicators (comm_groups) -------------------------------
+def _group_launches(ctx, n: int) -> list[int]:
+    """The group index of each all_reduce GradSync issues in one synced step (a bucket per parameter)."""
+    from distlib import collectives
+
+    model = Net()
+    sync = GradSync(model, **TINY, comm_groups=n)
+    groups = collectives.comm_groups(n)
+    seen: list[int] = []
+    original = dist.all_reduce
+
+    def spy(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        seen.append(next(i for i, g in enumerate(groups) if g is group))
+        return original(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = spy
+    try:
+        x, y = _batch(0, B)
+        F.cross_entropy(model(x), y).backward()
+        sync.wait()
+    finally:
+        dist.all_reduce = original
+    sync.close()
+    return seen
+
+
+def _comm_groups(ctx, full: bool):
+    from distlib import collectives
+
+    kw = {"bucket_mb": 0.004, "first_bucket_mb": 0.001}  # a few buckets of mixed sizes
+    out = {
+        "tiny_g2": _train(ctx, {}, {**TINY, "comm_groups": 2}, "none"),
+        "uneven_g3": _train(ctx, {}, {**kw, "comm_groups": 3}, "keep"),
+        "missing_g3": _train(ctx, {"unused": True, "frozen": True, "branch": True}, {**TINY, "comm_groups": 3}, "none"),
+        "no_sync_g2": _train(ctx, {"branch": True}, {**SMALL, "comm_groups": 2}, "views", accum=2),
+    }
+    if full:  # the rest on two ranks only (time)
+        out["uneven_g2"] = _train(ctx, {}, {**kw, "comm_groups": 2}, "views")
+        out["one_g2"] = _train(ctx, {}, {"bucket_mb": 100, "first_bucket_mb": 100, "comm_groups": 2}, "none")
+        out["bf16_g2"] = _train(ctx, {}, {**kw, "compress": "bf16", "comm_groups": 2}, "none")
+        out["bf16_g1"] = _train(ctx, {}, {**kw, "compress": "bf16"}, "none")
+    launches = _group_launches(ctx, 3)
+    cpu = torch.device("cpu")
+    timeouts = {g._get_backend(cpu).options._timeout for g in collectives.comm_groups(3)[1:]}
+    same_timeout = timeouts == {dist.group.WORLD._get_backend(cpu).options._timeout}  # not torch's 30 min
+    # groups are created once per process group and shared: the largest n made n - 1 of them
+    created = len(collectives._EXTRA_GROUPS[1])
+    shared = collectives.comm_groups(2) == collectives.comm_groups(3)[:2]
+    # groups made under another default group (destroyed, then initialized again) are not reused
+    stale = object()
+    collectives._EXTRA_GROUPS = (object(), [stale])
+    fresh = collectives.comm_groups(2)
+    return out, launches, created, shared and same_timeout, fresh[1] is not stale and fresh[0] is None
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_comm_groups_match_one_process(world):
+    results = run_ranks(_comm_groups, world, world == 2)
+    for rank, (res, launches, created, shared, fresh) in enumerate(results):
+        for name, r in res.items():
+            limit = 5e-3 if name.startswith("bf16") else 1e-5
+            assert r["diff"] < limit, (rank, name, r["diff"])
+            assert r["views"] and r["strides"], (rank, name)
+            assert r["layout"] == results[0][0][name]["layout"], "bucket layout must agree across ranks"
+        # bucket i on group i % n, buckets in order: the same collectives per group on every rank
+        assert launches == [i % 3 for i in range(6)], launches
+        assert created == 2 and shared and fresh
+        grads = res["missing_g3"]["grads"]
+        assert grads["unused.weight"] == 0.0 and grads["frozen.weight"] is None
+        assert grads["branch.weight"] > 0  # used on rank 0 only: every rank gets the average
+    if world == 2:
+        res = results[0][0]
+        # bf16 rounding is the same whichever communicator a bucket travels on
+        assert abs(res["bf16_g2"]["diff"] - res["bf16_g1"]["diff"]) < 1e-6
+        assert res["one_g2"]["buckets"] == 1
+    assert results[0][0]["tiny_g2"]["launched_in_backward"] >= results[0][0]["tiny_g2"]["buckets"] - 1
+
+
+def test_comm_groups_bad_values_and_world_size_one():
+    from distlib import collectives
+    from distlib.config import ConfigError, load_config
+
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="comm_groups must be an integer >= 1"):
+            GradSync(Net(), comm_groups=bad)
+    # world size 1: no group is created, and the step is the plain one
+    model = Net()
+    sync = GradSync(model, comm_groups=4)
+    assert sync._groups == [None] and collectives.comm_groups(4) == [None] * 4
+    assert collectives._EXTRA_GROUPS is None
+    x, y = _batch(0, B)
+    F.cross_entropy(model(x), y).backward()
+    sync.wait()
+    assert all(p.grad is not None for p in model.parameters())
+    assert load_config(None, ["dist.comm_groups=3"]).dist.comm_groups == 3
+    with pytest.raises(ConfigError, match=r"dist\.comm_groups: must be > 0, got 0"):
+        load_config(None, ["dist.comm_groups=0"])
+    with pytest.raises(ConfigError, match=r"dist\.comm_groups: expected int"):
+        load_config(None, ["dist.comm_groups=2.5"])
+
+
 class Chain(nn.Module):
     """Registered l0..l3 but applied l3 first: gradients arrive in registration order, the
     opposite of what the initial layout assumes."""
@@ -315,6 +417,11 @@ def _nccl_equivalence(ctx):
     out = {name: _train(ctx, {}, kw, zero, device=ctx.device) for name, kw, zero in CONFIGS}
     out["default"] = _train(ctx, {"unused": True}, {}, "none", device=ctx.device)
     out["bf16"] = _train(ctx, {}, {"compress": "bf16"}, "none", device=ctx.device)
+    # buckets on 2 and 3 NCCL communicators (their all_reduces run concurrently)
+    out["uneven_g2"] = _train(
+        ctx, {}, {"bucket_mb": 0.004, "first_bucket_mb": 0.001, "comm_groups": 2}, "none", device=ctx.device
+    )
+    out["tiny_g3"] = _train(ctx, {"unused": True}, {**TINY, "comm_groups": 3}, "keep", device=ctx.device)
     return out
 
 
@@ -330,7 +437,7 @@ def test_nccl_equivalence_on_two_gpus():
 _KEEP: list = []
 
 
-def _graph_vs_eager(ctx, steps: int = 8) -> dict:
+def _graph_vs_eager(ctx, steps: int = 8, comm_groups: int = 1) -> dict:
     """The same training with the eager step and with CapturedStep; returns the differences."""
     from distlib.cuda_graph import CapturedStep
 
@@ -343,7 +450,7 @@ def _graph_vs_eager(ctx, steps: int = 8) -> dict:
     for mode in ("eager", "graph"):
         torch.manual_seed(0)
         model = Net().to(device).to(memory_format=torch.channels_last)
-        sync = GradSync(model, bucket_mb=0.004, first_bucket_mb=0.001)
+        sync = GradSync(model, bucket_mb=0.004, first_bucket_mb=0.001, comm_groups=comm_groups)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))  # lr changes every step
 
@@ -386,9 +493,15 @@ def test_captured_step_equals_eager_on_one_gpu():
     assert out["param_diff"] < 1e-5 and out["loss_diff"] < 1e-5, out
 
 
+def _graph_vs_eager_groups(ctx) -> dict:
+    """One communicator, then the buckets round-robin on two (the warm-up uses both before capture)."""
+    return {n: _graph_vs_eager(ctx, comm_groups=n) for n in (1, 2)}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_captured_step_equals_eager_on_two_gpus():
-    for out in run_ranks(_graph_vs_eager, 2, backend="nccl", timeout=240):
-        assert out["captured"]
-        assert out["param_diff"] < 1e-5 and out["loss_diff"] < 1e-5, out
+    for res in run_ranks(_graph_vs_eager_groups, 2, backend="nccl", timeout=240):
+        for n, out in res.items():
+            assert out["captured"], n
+            assert out["param_diff"] < 1e-5 and out["loss_diff"] < 1e-5, (n, out)
