@@ -9,8 +9,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 DATA=.bench/cifar10-jpeg.tar.gz
 SEEDS=${SEEDS:-0 1 2}
 timeout -k 10 ${T2:-330} python3 bench/cifar_runs.py --nproc 2 --data $DATA --out /tmp/runs2 --json "$OUT/cifar2.json" \
-  --run "plain:recipes/cifar.yaml train.ema=0 data.augment.flip=random" --run "fast:recipes/cifar.yaml" \
-  --run "accuracy:recipes/cifar_accuracy.yaml" --seeds $SEEDS >"$OUT/cifar2.log" 2>&1
+  ${RUNS2:---run "fast:recipes/cifar.yaml" --run "accuracy:recipes/cifar_accuracy.yaml"} --seeds $SEEDS >"$OUT/cifar2.log" 2>&1
 timeout -k 10 ${T1:-60} python3 bench/cifar_runs.py --nproc 1 --data $DATA --out /tmp/runs1 --json "$OUT/cifar1.json" \
   --run "fast:recipes/cifar.yaml" --seeds 0 >"$OUT/cifar1.log" 2>&1
 (cd .bench/anchor && TAR=../cifar10-jpeg.tar.gz EPOCHS=18 BATCH=256 timeout -k 10 ${TA:-90} \
