@@ -162,6 +162,7 @@ def main(argv: list[str]) -> int:
         return 0
     except (DataError, ValueError) as e:
         log.error("%s", e)
+        distlib.shutdown(barrier=False)  # a peer that did not fail the same way would never arrive
         return 2
     finally:
         distlib.shutdown()

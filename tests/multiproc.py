@@ -16,7 +16,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, args, queue, env):
+def _worker(fn, rank, world_size, port, args, queue, env, init_timeout_s):
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -29,7 +29,7 @@ def _worker(fn, rank, world_size, port, args, queue, env):
     import distlib
 
     try:
-        ctx = distlib.init("gloo", timeout_s=60)
+        ctx = distlib.init("gloo", timeout_s=init_timeout_s)
         try:
             result = fn(ctx, *args)
         finally:
@@ -40,18 +40,25 @@ def _worker(fn, rank, world_size, port, args, queue, env):
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120, env: dict | None = None
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120,
+    env: dict | None = None,
+    init_timeout_s: float = 60,
 ) -> list[Any]:
     """Call ``fn(ctx, *args)`` on ``world_size`` gloo ranks; returns the results in rank order.
 
     ``fn`` must be importable (defined at module level) since ranks are spawned.
+    ``init_timeout_s`` is the collective timeout given to ``distlib.init``.
     Raises AssertionError with every failing rank's traceback.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, env or {})) for r in range(world_size)
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, env or {}, init_timeout_s))
+        for r in range(world_size)
     ]
     for p in procs:
         p.start()
