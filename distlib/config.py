@@ -133,6 +133,9 @@ class _OverrideValue:
             return self.raw
         return self.parsed
 
+    def __repr__(self) -> str:
+        return repr(self.parsed)
+
 
 def _coerce(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
     """Return ``value`` as ``tp``, or record a problem and return None."""

@@ -16,6 +16,10 @@ class _RankFilter(logging.Filter):
         return _rank == 0 or record.levelno >= logging.WARNING
 
 
+class _RankHandler(logging.StreamHandler):
+    """distlib's stderr handler, told apart from handlers that others attach."""
+
+
 def set_rank(rank: int) -> None:
     global _rank
     _rank = rank
@@ -23,8 +27,9 @@ def set_rank(rank: int) -> None:
 
 def get_logger() -> logging.Logger:
     logger = logging.getLogger(_LOGGER_NAME)
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+    # look for our own handler: another one (a test runner's, an application's) must not stop ours
+    if not any(isinstance(h, _RankHandler) for h in logger.handlers):
+        handler = _RankHandler(sys.stderr)
         handler.addFilter(_RankFilter())
         handler.setFormatter(logging.Formatter("[distlib rank %(rank)s] %(levelname)s %(message)s"))
         logger.addHandler(handler)

@@ -90,6 +90,8 @@ def parse_env(env: dict[str, str] | None = None) -> EnvInfo | None:
         problems.append(f"RANK={rank} must be in [0, WORLD_SIZE={world})")
     if not 0 <= local_rank < max(local_world, 1):
         problems.append(f"LOCAL_RANK={local_rank} must be in [0, LOCAL_WORLD_SIZE={local_world})")
+    if local_world > world >= 1:
+        problems.append(f"LOCAL_WORLD_SIZE={local_world} must be <= WORLD_SIZE={world}")
     if problems:
         raise EnvError("; ".join(problems))
     return EnvInfo(rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world)
