@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -34,7 +35,9 @@ def _worker(fn, rank, world_size, port, args, queue, env, init_timeout_s):
             result = fn(ctx, *args)
         finally:
             distlib.shutdown()
-        queue.put((rank, "ok", result))
+        # plain pickle copies tensors; the queue's own pickler would share them through file
+        # descriptors that die with this process (EOFError in the parent)
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report every failure, including SystemExit, to the parent
         queue.put((rank, "error", traceback.format_exc()))
 
@@ -68,7 +71,7 @@ def run_ranks(
         for _ in range(world_size):
             rank, status, value = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank}:\n{value}")
     finally:
