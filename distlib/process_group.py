@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import importlib
 import os
 import sys
 import traceback
@@ -137,6 +138,12 @@ def init(backend: str = "auto", timeout_s: float = 300.0, *, gpus_per_process: i
     else:
         device = torch.device("cpu")
     if info.world_size > 1 and not dist.is_initialized():
+        # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is
+        # imported, which torch._dynamo does (the first optimizer imports it). Imported after the group
+        # exists, it would keep the group alive past destroy_process_group(), and with it gloo's worker
+        # threads (see shutdown()). Imported now, its defaults are None, which means the same.
+        importlib.import_module("torch.distributed.nn.functional")
+
         kwargs = {}
         if name == "nccl":
             kwargs["device_id"] = device  # binds the communicator to this GPU, eager init
@@ -224,6 +231,7 @@ def _destroy() -> None:
     del group
     dist.destroy_process_group()
     if alive is not None and alive() is not None:
+        _release_known_holders(alive())
         # The frames of a failed collective, kept by the exception in flight, or a reference cycle
         # may be what holds it; the traceback still prints without the frames' locals.
         if sys.exc_info()[2] is not None:
@@ -236,6 +244,16 @@ def _destroy() -> None:
             "at exit ('terminate called without an active exception'); drop those references before "
             "distlib.shutdown()"
         )
+
+
+def _release_known_holders(group: object) -> None:
+    """Reset default arguments that captured ``group`` (torch.distributed.nn.functional, when it was
+    imported after the group started) to None, which means the default group, as they did."""
+    module = sys.modules.get("torch.distributed.nn.functional")
+    for fn in vars(module).values() if module is not None else ():
+        defaults = getattr(fn, "__defaults__", None)
+        if isinstance(defaults, tuple) and any(d is group for d in defaults):
+            fn.__defaults__ = tuple(None if d is group else d for d in defaults)
 
 
 def _shutdown_at_exit() -> None:
