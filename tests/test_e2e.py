@@ -16,6 +16,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 import distlib
 from distlib.device_loader import DeviceLoader
+from distlib.models import small_cnn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "recipes", "demo.yaml")
@@ -102,7 +103,7 @@ N_TEST = 103  # divides by neither 2 nor 3: a padded sampler would count some sa
 def eval_fixture() -> tuple[torch.nn.Module, DeviceLoader, torch.Tensor, torch.Tensor]:
     """The same model weights and test set in every process (float64: no reduction-order noise)."""
     torch.manual_seed(0)
-    model = distlib.models.small_cnn(10, 8).double()
+    model = small_cnn(10, 8).double()
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 256, (N_TEST, 3, 16, 16), generator=g, dtype=torch.uint8)
     y = torch.randint(0, 10, (N_TEST,), generator=g)
