@@ -192,9 +192,10 @@ def shutdown(*, barrier: bool | None = None) -> None:
     destructor and the process aborts with "terminate called without an
     active exception". ``destroy_process_group()`` prevents it only if it
     actually destroys the ProcessGroupGloo, whose destructor joins the worker
-    threads with the GIL released; a group still referenced elsewhere (a
-    DistributedDataParallel model, a group handle) keeps its threads alive, and
-    that is reported.
+    threads with the GIL released. A group still referenced elsewhere keeps its
+    threads alive: default arguments of torch.distributed.nn.functional (see
+    ``init()``; released here), the frames of a failed collective (cleared
+    here), a DistributedDataParallel model or a stored group handle (reported).
     """
     global _CONTEXT
     _CONTEXT = None

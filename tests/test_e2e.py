@@ -141,3 +141,19 @@ def test_exact_evaluation_is_the_same_at_world_size_1_2_3(monkeypatch):
             assert (acc, acc_tta) == one[:2]  # bit for bit
             assert n_exact == N_TEST
     assert {r[3] for r in two} == {104} and {r[3] for r in three} == {105}  # what padding would have counted
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_demo_on_gpus_with_nccl(tmp_path, cache_dir):
+    """One process per GPU (up to two): NCCL chosen by dist.backend=auto, a clean teardown."""
+    nproc = min(2, torch.cuda.device_count())
+    out = tmp_path / "demo-gpu"
+    proc = launch([DEMO, f"run.out_dir={out}", f"data.cache_dir={cache_dir}"], nproc=nproc)
+    config, rows = read_run(out)
+    check_rows(rows, epochs=config["train"]["epochs"], world_size=nproc)
+    expected_backend = "nccl" if nproc > 1 else "none"
+    assert f"backend={expected_backend} device=cuda:0" in proc.stderr
+    assert "still referenced after shutdown" not in proc.stderr
+    assert rows[-1]["test_acc"] >= 0.30, rows[-1]
