@@ -1,1 +1,63 @@
+# distlib: set-up, demo, tests, training. `make help` lists the targets.
+# Every target sets up the virtual environment first (once; again when pyproject.toml changes).
+
+PYTHON ?= python3
+VENV ?= .venv
+# the CPU machines' torch; a GPU host may want its own build: make setup TORCH_PKGS="torch==2.11.0 ..."
+TORCH_PKGS ?= torch==2.14.1 torchvision==0.29.1
+NPROC ?= 2
+RECIPE ?= recipes/cifar.yaml
+ARGS ?=
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.distlib-installed
+
+.PHONY: help setup demo test train lint format reference clean
+
+help:
+	@echo "make setup                       virtual environment in $(VENV) (PYTHON=$(PYTHON))"
+	@echo "make demo                        offline demo: $(NPROC) processes on the CPU, about a minute"
+	@echo "make test                        ruff check + the whole test suite"
+	@echo "make train RECIPE=... ARGS=...   torchrun --nproc-per-node=\$$NPROC launch.py RECIPE ARGS"
+	@echo "make lint | format               ruff check and format check | format in place"
+	@echo "make reference                   regenerate the config reference in README.md"
+	@echo "make clean                       remove the environment, runs/ and caches"
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install $(TORCH_PKGS)
+	$(BIN)/python -m pip install -e '.[test]'
+	@touch $@
+
+demo: $(STAMP)
+	$(BIN)/torchrun --standalone --nproc-per-node=$(NPROC) launch.py recipes/demo.yaml $(ARGS)
+
+# pytest exits 5 when it collected no test: that is a failure too
+test: $(STAMP)
+	$(BIN)/ruff check .
+	@$(BIN)/python -m pytest -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+train: $(STAMP)
+	$(BIN)/torchrun --standalone --nproc-per-node=$(NPROC) launch.py $(RECIPE) $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+reference: $(STAMP)
+	$(BIN)/python -m distlib.config --update-readme README.md
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache build *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# docker-build, docker-run, docker-test: docker/ (their own section below)
 -include docker/docker.mk

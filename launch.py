@@ -296,6 +296,7 @@ def main(argv: list[str]) -> int:
         return 0
     except (DataError, ValueError, CheckpointError) as e:
         log.error("%s", e)
+        distlib.shutdown(barrier=False)  # a peer that did not fail the same way would never arrive
         return 2
     except RuntimeError as e:  # a collective timed out or lost a peer: say so, and leave without the barrier
         message = describe(e, rank=ctx.rank, timeout_s=cfg.dist.timeout_s)

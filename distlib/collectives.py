@@ -33,11 +33,14 @@ def rank() -> int:
     return dist.get_rank() if _active() else 0
 
 
-def _op(op: str) -> dist.ReduceOp:
+def _op(op: str, t: torch.Tensor) -> dist.ReduceOp:
     try:
-        return _OPS[op]
+        reduce_op = _OPS[op]
     except KeyError:
         raise ValueError(f"op must be one of {', '.join(_OPS)}, got {op!r}") from None
+    if op == "mean" and not (t.is_floating_point() or t.is_complex()):
+        raise ValueError(f"op='mean' needs a floating-point tensor, got {t.dtype}")
+    return reduce_op
 
 
 def barrier() -> None:
@@ -52,7 +55,7 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     ``op`` is "sum", "mean", "max" or "min". Every rank must call it, in the same
     order, with a tensor of the same shape and dtype.
     """
-    reduce_op = _op(op)
+    reduce_op = _op(op, t)
     if not _active():
         return t
     dist.all_reduce(t, op=reduce_op)
@@ -66,7 +69,7 @@ def reduce(t: torch.Tensor, dst: int = 0, op: str = "sum") -> torch.Tensor:
 
     Every rank must call it, in the same order, with a tensor of the same shape and dtype.
     """
-    reduce_op = _op(op)
+    reduce_op = _op(op, t)
     if not _active():
         return t
     dist.reduce(t, dst=dst, op=reduce_op)

@@ -8,7 +8,9 @@ Every problem in a recipe and its overrides is collected and reported at once
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -27,7 +29,7 @@ class AugmentConfig:
 class DataConfig:
     root: str = "data/cifar10-demo"  # torchvision CIFAR-10 folder, or an ImageFolder with train/ and test/
     download: bool = False  # let torchvision download CIFAR-10 into root when it is missing
-    cache_dir: str = ""  # where the decoded uint8 tensors are kept; "" = <root>/.distlib-cache
+    cache_dir: str = ""  # where the decoded uint8 tensors are kept; "" = $XDG_CACHE_HOME/distlib or ~/.cache/distlib
     train_subset: int = 0  # use only the first N training images (0 = all)
     on_device: bool = True  # keep the whole decoded set on the device and augment there
     augment: AugmentConfig = field(default_factory=AugmentConfig)
@@ -35,22 +37,22 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: Literal["resnet18_cifar", "small_cnn"] = "resnet18_cifar"
+    name: Literal["resnet18_cifar", "small_cnn"] = "resnet18_cifar"  # resnet18_cifar: 3x3 stem, no max-pool
     width: int = 64  # base channel count of small_cnn
-    num_classes: int = 10
-    channels_last: bool = True
+    num_classes: int = 10  # must match the data set
+    channels_last: bool = True  # NHWC memory format: faster convolutions on GPUs
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 10
+    epochs: int = 10  # passes over the training set
     batch_size: int = 512  # global: divided evenly over the ranks
-    optimizer: Literal["sgd"] = "sgd"
+    optimizer: Literal["sgd"] = "sgd"  # SGD with momentum
     lr: float = 0.4  # peak learning rate for the global batch
-    momentum: float = 0.9
-    nesterov: bool = True
+    momentum: float = 0.9  # SGD momentum
+    nesterov: bool = True  # Nesterov momentum
     weight_decay: float = 5e-4  # not applied to BatchNorm weights and biases
-    label_smoothing: float = 0.2
+    label_smoothing: float = 0.2  # of the cross-entropy targets
     warmup_frac: float = 0.15  # linear warm-up over this fraction of the steps, then linear decay to 0
     precision: Literal["bf16", "fp32"] = "bf16"  # autocast dtype; bf16 falls back to fp32 on CPU
     grad_accum: int = 1  # micro-steps per optimizer step (communication only on the last)
@@ -58,7 +60,7 @@ class TrainConfig:
     eval_every: int = 1  # evaluate every N epochs (the last epoch always)
     tta: bool = True  # flip test-time augmentation in the final evaluation
     tta_translate: int = 0  # with tta: also views shifted by this many pixels (airbench uses 2)
-    seed: int = 0
+    seed: int = 0  # seeds model init, data order and augmentation
     cuda_graph: bool = False  # capture the whole training step as one CUDA graph
     prewarm_steps: int = 5  # on a GPU: steps run, then undone, before the clock (autotuning, graph capture)
 
@@ -115,6 +117,28 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
+@dataclass(frozen=True)
+class _OverrideValue:
+    """A command-line value: read as YAML, but kept as typed for str keys
+    (``run.name=no`` is the name "no", not False)."""
+
+    parsed: Any
+    raw: str
+
+    def for_type(self, tp: Any) -> Any:
+        if tp is str:
+            return self.raw
+        if typing.get_origin(tp) is Literal and self.parsed not in typing.get_args(tp):
+            return self.raw
+        return self.parsed
+
+    def __repr__(self) -> str:
+        return repr(self.parsed)
+
+
 def _coerce(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
     """Return ``value`` as ``tp``, or record a problem and return None."""
     if typing.get_origin(tp) is Literal:
@@ -129,6 +153,8 @@ def _coerce(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str) and _EXPONENT_FLOAT.match(value):
+            return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
     elif tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -138,6 +164,8 @@ def _coerce(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
 
 def _apply(obj: Any, data: Any, prefix: str, problems: list[str]) -> None:
     """Write the mapping ``data`` into the dataclass ``obj``, recording every problem."""
+    if isinstance(data, _OverrideValue):
+        data = data.parsed
     if not isinstance(data, dict):
         problems.append(f"{prefix or '<top level>'}: expected a mapping of keys, got {data!r}")
         return
@@ -152,6 +180,8 @@ def _apply(obj: Any, data: Any, prefix: str, problems: list[str]) -> None:
         if dataclasses.is_dataclass(tp):
             _apply(getattr(obj, key), value, path, problems)
             continue
+        if isinstance(value, _OverrideValue):
+            value = value.for_type(tp)
         coerced = _coerce(value, tp, path, problems)
         if coerced is not None:
             setattr(obj, key, coerced)
@@ -177,7 +207,7 @@ def _parse_override(item: str, problems: list[str]) -> dict | None:
     parts = key.split(".")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
-    node[parts[-1]] = value
+    node[parts[-1]] = _OverrideValue(value, raw)
     return out
 
 
@@ -268,3 +298,100 @@ def to_dict(cfg: Config) -> dict:
 
 def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+# ---- the config reference in README.md is generated from the dataclasses above ----------------
+
+REFERENCE_BEGIN = "<!-- config-reference:begin (python -m distlib.config --update-readme README.md) -->"
+REFERENCE_END = "<!-- config-reference:end -->"
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """The comment after each field's definition: the reference's descriptions."""
+    lines, _ = inspect.getsourcelines(cls)
+    out = {}
+    for line in lines:
+        m = re.match(r"\s+(\w+):[^#]*#\s*(.*)$", line)
+        if m:
+            out[m.group(1)] = m.group(2).strip()
+    return out
+
+
+def _show_type(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(f"`{a}`" for a in typing.get_args(tp))
+    return tp.__name__
+
+
+def _show_default(value: Any) -> str:
+    if isinstance(value, str):
+        return f'`"{value}"`'
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    return f"`{value}`"
+
+
+def reference_table() -> str:
+    """The markdown table of every config key: dotted key, type, default, meaning."""
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+
+    def walk(obj: Any, prefix: str) -> None:
+        hints = typing.get_type_hints(type(obj))
+        comments = _field_comments(type(obj))
+        for f in dataclasses.fields(obj):
+            path = f"{prefix}.{f.name}" if prefix else f.name
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(value, path)
+            else:
+                meaning = comments.get(f.name, "").replace("|", "\\|").replace("<", "\\<")
+                rows.append(f"| `{path}` | {_show_type(hints[f.name])} | {_show_default(value)} | {meaning} |")
+
+    walk(Config(), "")
+    return "\n".join(rows) + "\n"
+
+
+def update_readme(path: str) -> bool:
+    """Rewrite the table between the reference markers in ``path``; True when it changed."""
+    with open(path) as f:
+        text = f.read()
+    begin, end = text.find(REFERENCE_BEGIN), text.find(REFERENCE_END)
+    if begin < 0 or end < begin:
+        raise SystemExit(f"{path}: no {REFERENCE_BEGIN} ... {REFERENCE_END} block")
+    new = text[: begin + len(REFERENCE_BEGIN)] + "\n" + reference_table() + text[end:]
+    if new != text:
+        with open(path, "w") as f:
+            f.write(new)
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(
+        prog="python -m distlib.config",
+        description="Validate a recipe and print the resolved config, or print the config reference.",
+    )
+    p.add_argument("recipe", nargs="?", help="YAML recipe to validate")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    p.add_argument("--reference", action="store_true", help="print the markdown table of every key")
+    p.add_argument("--update-readme", metavar="PATH", help="rewrite the reference table in PATH")
+    args = p.parse_args(argv)
+    if args.reference:
+        sys.stdout.write(reference_table())
+        return 0
+    if args.update_readme:
+        print(f"{args.update_readme}: {'updated' if update_readme(args.update_readme) else 'already up to date'}")
+        return 0
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(dump_yaml(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -16,9 +16,10 @@ class _RankFilter(logging.Filter):
         return _rank == 0 or record.levelno >= logging.WARNING
 
 
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at the time, so that a live progress
-    display that redirects it (rich) prints log lines above itself, intact."""
+class _RankHandler(logging.StreamHandler):
+    """distlib's stderr handler, told apart from handlers that others attach. It writes to
+    whatever ``sys.stderr`` is at the time, so that a live progress display that redirects
+    it (rich) prints log lines above itself, intact."""
 
     @property
     def stream(self):
@@ -36,8 +37,9 @@ def set_rank(rank: int) -> None:
 
 def get_logger() -> logging.Logger:
     logger = logging.getLogger(_LOGGER_NAME)
-    if not logger.handlers:
-        handler = _StderrHandler()
+    # look for our own handler: another one (a test runner's, an application's) must not stop ours
+    if not any(isinstance(h, _RankHandler) for h in logger.handlers):
+        handler = _RankHandler()
         handler.addFilter(_RankFilter())
         handler.setFormatter(logging.Formatter("[distlib rank %(rank)s] %(levelname)s %(message)s"))
         logger.addHandler(handler)

@@ -2,13 +2,20 @@
 
 ``init()`` reads torchrun's environment (or finds none: world size 1, no process
 group, every collective a no-op), binds the process to its GPU and starts the
-process group. ``shutdown()`` tears it down without the gloo abort at exit.
+process group. ``shutdown()`` tears it down without the gloo abort at exit
+(see its docstring for the cause).
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
+import importlib
 import os
+import sys
+import traceback
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +91,8 @@ def parse_env(env: dict[str, str] | None = None) -> EnvInfo | None:
         problems.append(f"RANK={rank} must be in [0, WORLD_SIZE={world})")
     if not 0 <= local_rank < max(local_world, 1):
         problems.append(f"LOCAL_RANK={local_rank} must be in [0, LOCAL_WORLD_SIZE={local_world})")
+    if local_world > world >= 1:
+        problems.append(f"LOCAL_WORLD_SIZE={local_world} must be <= WORLD_SIZE={world}")
     if problems:
         raise EnvError("; ".join(problems))
     return EnvInfo(rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world)
@@ -117,6 +126,8 @@ def _restart_safe_store(info: EnvInfo, timeout: datetime.timedelta) -> dist.Stor
 
 
 _CONTEXT: Context | None = None
+_timeout_s = 300.0  # init()'s collective timeout, also the bound of shutdown()'s barrier
+_atexit_registered = False
 
 
 def init(backend: str = "auto", timeout_s: float = 300.0, *, gpus_per_process: int = 1) -> Context:
@@ -126,7 +137,7 @@ def init(backend: str = "auto", timeout_s: float = 300.0, *, gpus_per_process: i
     started and the collectives of distlib are no-ops. ``gpus_per_process`` > 1
     (the cuda.comm fallback mode) skips the one-GPU-per-process check.
     """
-    global _CONTEXT
+    global _CONTEXT, _timeout_s, _atexit_registered
     info = parse_env()
     name = resolve_backend(backend)
     if info is None:
@@ -144,6 +155,12 @@ def init(backend: str = "auto", timeout_s: float = 300.0, *, gpus_per_process: i
     else:
         device = torch.device("cpu")
     if info.world_size > 1 and not dist.is_initialized():
+        # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is
+        # imported, which torch._dynamo does (the first optimizer imports it). Imported after the group
+        # exists, it would keep the group alive past destroy_process_group(), and with it gloo's worker
+        # threads (see shutdown()). Imported now, its defaults are None, which means the same.
+        importlib.import_module("torch.distributed.nn.functional")
+
         kwargs = {}
         if name == "nccl":
             kwargs["device_id"] = device  # binds the communicator to this GPU, eager init
@@ -166,6 +183,10 @@ def init(backend: str = "auto", timeout_s: float = 300.0, *, gpus_per_process: i
                     "with --standalone"
                 ) from e
             raise EnvError(f"cannot start the process group at {where}: {str(e).splitlines()[0]}") from e
+        _timeout_s = timeout_s
+        if not _atexit_registered:
+            atexit.register(_shutdown_at_exit)
+            _atexit_registered = True
     _CONTEXT = Context(
         rank=info.rank,
         local_rank=info.local_rank,
@@ -183,24 +204,93 @@ def context() -> Context | None:
     return _CONTEXT
 
 
-def shutdown() -> None:
+def shutdown(*, barrier: bool | None = None) -> None:
     """Tear the process group down; safe to call twice, or without ``init()``.
 
-    A final barrier first: with gloo, a rank that destroys its group while a
-    peer is still inside the last collective closes sockets under it, and the
-    peer's gloo thread aborts the process ("terminate called without an
-    active exception").
+    ``barrier``: first wait for every rank (bounded by ``init``'s timeout), so no
+    rank tears down while a peer still exchanges data with it. None (default):
+    wait unless an exception is propagating, since a failed peer may never
+    arrive and torchrun stops the job once this rank exits. A collective when
+    it waits: every rank must call it, in the same order.
+
+    Why the group must really be destroyed here (the gloo abort at exit): a
+    gloo worker thread drops its reference to a finished collective *after*
+    the caller has returned, and if that reference is the last one to a tensor
+    that Python also sees, releasing it needs the GIL. When the process exits
+    first, CPython ends that thread with ``pthread_exit`` inside a noexcept C++
+    destructor and the process aborts with "terminate called without an
+    active exception". ``destroy_process_group()`` prevents it only if it
+    actually destroys the ProcessGroupGloo, whose destructor joins the worker
+    threads with the GIL released. A group still referenced elsewhere keeps its
+    threads alive: default arguments of torch.distributed.nn.functional (see
+    ``init()``; released here), the frames of a failed collective (cleared
+    here), a DistributedDataParallel model or a stored group handle (reported).
     """
     global _CONTEXT
     _CONTEXT = None
     from distlib.cuda_graph import release_graphs
 
     release_graphs()  # a live graph holding NCCL work makes ncclCommDestroy wait forever
-    if not dist.is_initialized():
+    if not (dist.is_available() and dist.is_initialized()):
         return
-    try:
-        if dist.get_backend() == "nccl":
-            torch.cuda.synchronize()
+    if barrier is None:
+        barrier = sys.exc_info()[0] is None
+    failure = None
+    if barrier:
+        try:
+            _final_barrier()
+        except Exception as e:  # a peer gone or stalled; keep only the text, the frames hold the group
+            failure = f"{type(e).__name__}: {e}"
+    _destroy()
+    if failure is not None:
+        raise RuntimeError(f"not every rank reached the final barrier of shutdown(): {failure}")
+
+
+def _final_barrier() -> None:
+    backend = dist.get_backend()
+    if backend == "nccl":
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    elif backend == "gloo":
+        # names the ranks that did not arrive instead of waiting silently
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=_timeout_s), wait_all_ranks=True)
+    else:
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
+
+
+def _destroy() -> None:
+    group = dist.group.WORLD
+    alive = weakref.ref(group) if group is not None else None
+    del group
+    dist.destroy_process_group()
+    if alive is not None and alive() is not None:
+        _release_known_holders(alive())
+        # The frames of a failed collective, kept by the exception in flight, or a reference cycle
+        # may be what holds it; the traceback still prints without the frames' locals.
+        if sys.exc_info()[2] is not None:
+            traceback.clear_frames(sys.exc_info()[2])
+        gc.collect()
+    if alive is not None and alive() is not None:
+        get_logger().warning(
+            "the process group is still referenced after shutdown (a DistributedDataParallel model, a "
+            "group handle or a Work object?): its gloo worker threads stay alive and the process may abort "
+            "at exit ('terminate called without an active exception'); drop those references before "
+            "distlib.shutdown()"
+        )
+
+
+def _release_known_holders(group: object) -> None:
+    """Reset default arguments that captured ``group`` (torch.distributed.nn.functional, when it was
+    imported after the group started) to None, which means the default group, as they did."""
+    module = sys.modules.get("torch.distributed.nn.functional")
+    for fn in vars(module).values() if module is not None else ():
+        defaults = getattr(fn, "__defaults__", None)
+        if isinstance(defaults, tuple) and any(d is group for d in defaults):
+            fn.__defaults__ = tuple(None if d is group else d for d in defaults)
+
+
+def _shutdown_at_exit() -> None:
+    """A script that never called ``shutdown()``: destroy the group while the
+    interpreter is still whole (no barrier: the peers may be gone)."""
+    if dist.is_available() and dist.is_initialized():
+        shutdown(barrier=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -16,7 +17,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, args, queue, env, backend):
+def _worker(fn, rank, world_size, port, args, queue, env, backend, init_timeout_s):
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -29,12 +30,14 @@ def _worker(fn, rank, world_size, port, args, queue, env, backend):
     import distlib
 
     try:
-        ctx = distlib.init(backend, timeout_s=60)
+        ctx = distlib.init(backend, timeout_s=init_timeout_s)
         try:
             result = fn(ctx, *args)
         finally:
             distlib.shutdown()
-        queue.put((rank, "ok", result))
+        # plain pickle copies tensors; the queue's own pickler would share them through file
+        # descriptors that die with this process (EOFError in the parent)
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report every failure, including SystemExit, to the parent
         queue.put((rank, "error", traceback.format_exc()))
 
@@ -46,17 +49,19 @@ def run_ranks(
     timeout: float = 120,
     env: dict | None = None,
     backend: str = "gloo",
+    init_timeout_s: float = 60,
 ) -> list[Any]:
     """Call ``fn(ctx, *args)`` on ``world_size`` ranks (gloo, or ``backend``); returns the results in rank order.
 
     ``fn`` must be importable (defined at module level) since ranks are spawned.
+    ``init_timeout_s`` is the collective timeout given to ``distlib.init``.
     Raises AssertionError with every failing rank's traceback.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, env or {}, backend))
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, env or {}, backend, init_timeout_s))
         for r in range(world_size)
     ]
     for p in procs:
@@ -67,7 +72,7 @@ def run_ranks(
         for _ in range(world_size):
             rank, status, value = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank}:\n{value}")
     finally:

@@ -1,0 +1,188 @@
+"""load_config: every problem reported at once, with what is wrong and where."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from distlib.config import Config, ConfigError, dump_yaml, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def problems(recipe=None, overrides=()) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe, list(overrides))
+    assert str(err.value).startswith("invalid configuration:")
+    return err.value.problems
+
+
+def write(tmp_path, text: str, name: str = "r.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_and_run_name_from_recipe(tmp_path):
+    cfg = load_config(write(tmp_path, "train:\n  epochs: 3\n", "my_recipe.yaml"))
+    assert cfg.train.epochs == 3
+    assert cfg.train.batch_size == Config().train.batch_size  # YAML holds only what differs
+    assert cfg.run.name == "my_recipe"
+    assert cfg.run.out_dir == os.path.join("runs", "my_recipe")
+    assert load_config(None).run.name == "default"
+    assert load_config(write(tmp_path, "")).train.epochs == Config().train.epochs  # an empty recipe: defaults
+
+
+def test_malformed_yaml(tmp_path):
+    path = write(tmp_path, "train:\n  epochs: [1, 2\n")
+    (p,) = problems(path)
+    assert p.startswith(f"recipe {path!r}: malformed YAML:")
+    assert "\n" not in p
+
+
+def test_missing_recipe_file(tmp_path):
+    path = str(tmp_path / "nope.yaml")
+    assert problems(path) == [f"recipe {path!r}: no such file"]
+
+
+def test_recipe_is_a_directory(tmp_path):
+    assert problems(str(tmp_path)) == [f"recipe {str(tmp_path)!r}: is a directory, expected a YAML file"]
+
+
+def test_unknown_key_gives_dotted_path_and_valid_keys(tmp_path):
+    (p,) = problems(write(tmp_path, "train:\n  epoch: 3\n"))
+    assert p.startswith("train.epoch: unknown key (valid keys here: epochs, batch_size, optimizer, lr,")
+    (p,) = problems(write(tmp_path, "data:\n  augment:\n    flips: none\n"))
+    assert p == "data.augment.flips: unknown key (valid keys here: crop_pad, flip, cutout)"
+    (p,) = problems(write(tmp_path, "trian:\n  epochs: 3\n"))
+    assert p == "trian: unknown key (valid keys here: data, model, train, dist, run, profile)"
+
+
+@pytest.mark.parametrize(
+    "yaml_text, expected",
+    [
+        ("train:\n  epochs: ten\n", "train.epochs: expected int, got 'ten'"),
+        ("train:\n  epochs: 2.5\n", "train.epochs: expected int, got 2.5"),
+        ("train:\n  epochs: true\n", "train.epochs: expected int, got True"),
+        ("train:\n  lr: fast\n", "train.lr: expected float, got 'fast'"),
+        ("train:\n  nesterov: 1\n", "train.nesterov: expected bool, got 1"),
+        ("data:\n  root: [a, b]\n", "data.root: expected str, got ['a', 'b']"),
+        ("dist:\n  backend: mpi\n", "dist.backend: expected one of 'auto', 'nccl', 'gloo', got 'mpi'"),
+        ("train: 5\n", "train: expected a mapping of keys, got 5"),
+        ("- 1\n- 2\n", "<top level>: expected a mapping of keys, got [1, 2]"),
+        ("train:\n  epochs:\n", "train.epochs: expected int, got None"),
+    ],
+)
+def test_wrong_type_names_key_expected_type_and_value(tmp_path, yaml_text, expected):
+    assert problems(write(tmp_path, yaml_text)) == [expected]
+
+
+def test_values_out_of_range(tmp_path):
+    text = "train:\n  epochs: 0\n  warmup_frac: 1.5\n  lr: -0.1\ndist:\n  timeout_s: 0\n"
+    assert problems(write(tmp_path, text)) == [
+        "train.epochs: must be > 0, got 0",
+        "dist.timeout_s: must be > 0, got 0.0",
+        "train.lr: must be >= 0, got -0.1",
+        "train.warmup_frac: must be in [0, 1), got 1.5",
+    ]
+
+
+def test_several_problems_reported_at_once(tmp_path):
+    path = write(tmp_path, "train:\n  epoch: 3\n  lr: fast\nmodel:\n  name: vgg\n")
+    found = problems(path, ["dist.timeout_s=soon", "nonsense"])
+    assert len(found) == 5, found
+    assert found[0].startswith("train.epoch: unknown key")
+    assert found[1] == "train.lr: expected float, got 'fast'"
+    assert found[2] == "model.name: expected one of 'resnet18_cifar', 'small_cnn', got 'vgg'"
+    assert found[3] == "dist.timeout_s: expected float, got 'soon'"
+    assert found[4] == "override 'nonsense': expected dotted.key=value"
+    text = str(ConfigError(found))
+    assert text.count("\n  - ") == 5
+
+
+def test_override_coercion():
+    cfg = load_config(
+        None,
+        [
+            "train.lr=1",  # int -> float
+            "train.weight_decay=1e-4",  # YAML 1.1 reads this as a string
+            "train.momentum=.8",
+            "data.download=true",
+            "train.nesterov=false",
+            "run.name=no",  # a str key keeps the text (YAML would read False)
+            "data.root=123",  # and a number as text
+            "dist.backend=gloo",  # Literal
+            "train.epochs=7",
+            "data.cache_dir=",  # empty string
+        ],
+    )
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.train.weight_decay == 1e-4
+    assert cfg.train.momentum == 0.8
+    assert cfg.data.download is True and cfg.train.nesterov is False
+    assert cfg.run.name == "no" and cfg.data.root == "123"
+    assert cfg.dist.backend == "gloo" and cfg.train.epochs == 7 and cfg.data.cache_dir == ""
+
+
+def test_nested_overrides_apply_after_the_recipe(tmp_path):
+    path = write(tmp_path, "data:\n  augment:\n    flip: random\n    crop_pad: 2\ntrain:\n  epochs: 3\n")
+    cfg = load_config(path, ["data.augment.flip=alternating", "train.epochs=5", "train.epochs=6"])
+    assert cfg.data.augment.flip == "alternating"
+    assert cfg.data.augment.crop_pad == 2  # untouched by the override
+    assert cfg.train.epochs == 6  # the last override wins
+
+
+@pytest.mark.parametrize(
+    "item, expected",
+    [
+        ("train.epochs", "override 'train.epochs': expected dotted.key=value"),
+        ("=3", "override '=3': expected dotted.key=value"),
+        ("train..epochs=3", "override 'train..epochs=3': expected dotted.key=value"),
+        ("train.=3", "override 'train.=3': expected dotted.key=value"),
+        ("train.epochs=[1, 2]", "train.epochs: expected int, got '[1, 2]'"),
+        ("train.epochs.x=1", "train.epochs: expected int, got {'x': 1}"),
+        ("train=3", "train: expected a mapping of keys, got 3"),
+        ("train.lr=1e", "train.lr: expected float, got '1e'"),
+    ],
+)
+def test_bad_override_syntax(item, expected):
+    assert problems(None, [item]) == [expected]
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["train.epochs=4", "data.augment.cutout=8"])
+    again = load_config(write(tmp_path, dump_yaml(cfg)))
+    assert dump_yaml(again) == dump_yaml(cfg)
+
+
+def test_launch_with_a_bad_recipe_exits_2_before_anything_starts(tmp_path):
+    out_dir = tmp_path / "out"
+    recipe = write(tmp_path, f"run:\n  out_dir: {out_dir}\ntrain:\n  epoch: 3\n  lr: fast\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch.py"), recipe, "model.width=wide"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "train.epoch: unknown key" in proc.stderr
+    assert "train.lr: expected float, got 'fast'" in proc.stderr
+    assert "model.width: expected int, got 'wide'" in proc.stderr
+    assert "initialized" not in proc.stderr  # no process group, no logger set-up
+    assert not out_dir.exists()
+    assert os.listdir(tmp_path) == ["r.yaml"]  # nothing written anywhere
+
+
+def test_config_cli_validates_and_prints(tmp_path):
+    ok = subprocess.run(
+        [sys.executable, "-m", "distlib.config", os.path.join(ROOT, "recipes", "demo.yaml"), "train.epochs=2"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert "epochs: 2" in ok.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "distlib.config", "missing.yaml"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert bad.returncode == 2 and "missing.yaml" in bad.stderr and "no such file" in bad.stderr

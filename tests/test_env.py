@@ -1,0 +1,142 @@
+"""Reading torchrun's environment, choosing the backend, world size 1 without torchrun."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import distlib
+from distlib.process_group import EnvError, parse_env, resolve_backend
+
+FULL = {
+    "RANK": "1",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "h",
+    "MASTER_PORT": "1",
+}
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def without(*keys: str) -> dict[str, str]:
+    return {k: v for k, v in FULL.items() if k not in keys}
+
+
+def test_nothing_set_means_one_process():
+    assert parse_env({}) is None
+    assert parse_env({"PATH": "/bin", "OMP_NUM_THREADS": "1"}) is None
+
+
+def test_full_environment():
+    info = parse_env(FULL)
+    assert (info.rank, info.local_rank, info.world_size, info.local_world_size) == (1, 1, 4, 2)
+    assert parse_env(without("LOCAL_WORLD_SIZE")).local_world_size == 4  # optional: defaults to WORLD_SIZE
+
+
+def test_half_set_names_what_is_missing():
+    with pytest.raises(EnvError) as err:
+        parse_env({"RANK": "0", "WORLD_SIZE": "2"})
+    msg = str(err.value)
+    assert "RANK, WORLD_SIZE present but LOCAL_RANK, MASTER_ADDR, MASTER_PORT missing" in msg
+    assert "torchrun" in msg
+    with pytest.raises(EnvError, match=r"but MASTER_PORT missing"):
+        parse_env(without("MASTER_PORT"))
+    with pytest.raises(EnvError, match=r"MASTER_ADDR present but RANK, WORLD_SIZE, LOCAL_RANK, MASTER_PORT missing"):
+        parse_env({"MASTER_ADDR": "h"})
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("RANK", "one", "RANK='one' is not an integer"),
+        ("WORLD_SIZE", "2.0", "WORLD_SIZE='2.0' is not an integer"),
+        ("LOCAL_RANK", "", "LOCAL_RANK='' is not an integer"),
+        ("LOCAL_WORLD_SIZE", "x", "LOCAL_WORLD_SIZE='x' is not an integer"),
+    ],
+)
+def test_non_integers(key, value, message):
+    with pytest.raises(EnvError) as err:
+        parse_env({**FULL, key: value})
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"RANK": "4"}, "RANK=4 must be in [0, WORLD_SIZE=4)"),
+        ({"RANK": "-1"}, "RANK=-1 must be in [0, WORLD_SIZE=4)"),
+        ({"WORLD_SIZE": "0", "RANK": "0", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}, "WORLD_SIZE=0 must be >= 1"),
+        ({"LOCAL_RANK": "2"}, "LOCAL_RANK=2 must be in [0, LOCAL_WORLD_SIZE=2)"),
+        ({"LOCAL_WORLD_SIZE": "8"}, "LOCAL_WORLD_SIZE=8 must be <= WORLD_SIZE=4"),
+    ],
+)
+def test_out_of_range(changes, message):
+    with pytest.raises(EnvError) as err:
+        parse_env({**FULL, **changes})
+    assert message in str(err.value)
+
+
+def test_out_of_range_problems_reported_together():
+    with pytest.raises(EnvError) as err:
+        parse_env({**FULL, "RANK": "9", "LOCAL_RANK": "5"})
+    assert "RANK=9" in str(err.value) and "LOCAL_RANK=5" in str(err.value)
+
+
+def test_resolve_backend():
+    assert resolve_backend("gloo") == "gloo"
+    assert resolve_backend("auto") == ("nccl" if torch.cuda.is_available() else "gloo")
+    with pytest.raises(ValueError, match=r"backend must be 'auto', 'nccl' or 'gloo', got 'mpi'"):
+        resolve_backend("mpi")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this process sees a GPU")
+def test_nccl_without_gpu_is_a_clear_error():
+    with pytest.raises(EnvError, match=r"backend 'nccl' needs a GPU, and this process sees none; use 'gloo' or 'auto'"):
+        resolve_backend("nccl")
+
+
+@pytest.fixture
+def no_torchrun(monkeypatch):
+    for key in TORCHRUN_VARS:
+        monkeypatch.delenv(key, raising=False)
+
+
+def test_init_without_torchrun_is_world_size_1(no_torchrun):
+    ctx = distlib.init("gloo")
+    try:
+        assert (ctx.rank, ctx.local_rank, ctx.world_size, ctx.local_world_size) == (0, 0, 1, 1)
+        assert ctx.backend == "none" and ctx.device == torch.device("cpu") and ctx.is_main
+        assert not torch.distributed.is_initialized()  # no process group at all
+        t = torch.tensor([1.0, -2.0])
+        for op in ("sum", "mean", "max", "min"):
+            assert distlib.all_reduce(t, op=op) is t and t.tolist() == [1.0, -2.0]
+            assert distlib.reduce(t, dst=0, op=op) is t and t.tolist() == [1.0, -2.0]
+        assert distlib.broadcast(t, src=0) is t
+        distlib.barrier()
+        assert distlib.all_gather_object({"a": 1}) == [{"a": 1}]
+        assert distlib.broadcast_object("x") == "x"
+    finally:
+        distlib.shutdown()
+
+
+def test_bad_op_name_is_an_error_even_at_world_size_1(no_torchrun):
+    t = torch.ones(2)
+    with pytest.raises(ValueError, match=r"op must be one of sum, mean, max, min, got 'avg'"):
+        distlib.all_reduce(t, op="avg")
+    with pytest.raises(ValueError, match=r"got 'prod'"):
+        distlib.reduce(t, op="prod")
+
+
+def test_init_with_half_set_environment_fails_before_anything_starts(no_torchrun, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(EnvError, match=r"LOCAL_RANK, MASTER_ADDR, MASTER_PORT missing"):
+        distlib.init()
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this process sees a GPU")
+def test_init_nccl_without_gpu(no_torchrun):
+    with pytest.raises(EnvError, match=r"needs a GPU"):
+        distlib.init("nccl")

@@ -1,0 +1,42 @@
+"""Logging: rank 0 prints information; warnings and errors come from every rank, prefixed with it."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from distlib.log import _RankHandler, get_logger, set_rank
+
+
+@pytest.fixture
+def captured():
+    logger = get_logger()
+    (handler,) = [h for h in logger.handlers if isinstance(h, _RankHandler)]
+    stream = handler.setStream(io.StringIO())
+    yield logger, handler
+    handler.setStream(stream)
+    set_rank(0)
+
+
+def test_rank_0_prints_information(captured):
+    logger, handler = captured
+    set_rank(0)
+    logger.info("epoch %d", 1)
+    logger.warning("slow")
+    assert handler.stream.getvalue() == "[distlib rank 0] INFO epoch 1\n[distlib rank 0] WARNING slow\n"
+
+
+def test_other_ranks_print_only_warnings_and_errors(captured):
+    logger, handler = captured
+    set_rank(3)
+    logger.info("epoch %d", 1)
+    logger.debug("details")
+    logger.warning("slow")
+    logger.error("failed")
+    assert handler.stream.getvalue() == "[distlib rank 3] WARNING slow\n[distlib rank 3] ERROR failed\n"
+
+
+def test_one_handler_however_often_asked():
+    assert get_logger() is get_logger()
+    assert sum(isinstance(h, _RankHandler) for h in get_logger().handlers) == 1

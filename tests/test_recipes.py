@@ -1,0 +1,31 @@
+"""Every recipe in recipes/ validates (new recipes are picked up by the glob)."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from distlib.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
+
+
+def test_there_are_recipes():
+    names = {os.path.basename(r) for r in RECIPES}
+    assert {"demo.yaml", "cifar.yaml"} <= names
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
+def test_recipe_validates(recipe):
+    cfg = load_config(recipe)
+    assert cfg.run.name == os.path.splitext(os.path.basename(recipe))[0]
+
+
+def test_demo_recipe_uses_the_committed_data():
+    cfg = load_config(os.path.join(ROOT, "recipes", "demo.yaml"))
+    root = os.path.join(ROOT, cfg.data.root)
+    assert os.path.isdir(os.path.join(root, "train")) and os.path.isdir(os.path.join(root, "test"))
+    assert cfg.model.name == "small_cnn"
