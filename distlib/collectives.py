@@ -8,6 +8,7 @@ group) each is a no-op that returns its input.
 from __future__ import annotations
 
 import datetime
+import weakref
 from typing import Any
 
 import torch
@@ -143,13 +144,20 @@ def comm_groups(n: int) -> list[dist.ProcessGroup | None]:
     if not _active():
         return [None] * n
     world = dist.group.WORLD
-    if _EXTRA_GROUPS is None or _EXTRA_GROUPS[0] is not world:
-        _EXTRA_GROUPS = (world, [])
+    if _EXTRA_GROUPS is None or _EXTRA_GROUPS[0]() is not world:
+        _EXTRA_GROUPS = (weakref.ref(world), [])  # weak: the cache must not keep the default group alive
     extra = _EXTRA_GROUPS[1]
     while len(extra) < n - 1:  # the same number of new_group calls on every rank: the same n
         desc = f"distlib_comm_group_{len(extra) + 1}"
         extra.append(dist.new_group(timeout=_world_timeout(), group_desc=desc))
     return [None] + extra[: n - 1]
+
+
+def forget_groups() -> None:
+    """Drop the groups ``comm_groups`` made (``distlib.shutdown()`` calls it): a group that is
+    still referenced keeps its gloo worker threads alive after the process group is destroyed."""
+    global _EXTRA_GROUPS
+    _EXTRA_GROUPS = None
 
 
 def sync_buffers(module: torch.nn.Module) -> None:

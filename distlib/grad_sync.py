@@ -167,7 +167,6 @@ class GradSync:
         self._slots = [_Slot(p, i) for i, p in enumerate(self.params)]
         self._hooks: list = []
         self.comm_groups = comm_groups
-        self._groups: list[dist.ProcessGroup | None] = [None]
         if self.world_size == 1:
             return
         devices = {p.device for p in self.params}
@@ -177,7 +176,7 @@ class GradSync:
         if broadcast:
             self._broadcast_state()
         # new_group is a collective: here, on every rank, once (shared with other GradSyncs)
-        self._groups = collectives.comm_groups(comm_groups)
+        collectives.comm_groups(comm_groups)  # a collective when it creates them: now, on every rank
         backend = dist.get_backend()
         # NCCL averages inside the kernel; gloo has no AVG, so buckets are pre-divided.
         self._op = dist.ReduceOp.AVG if backend == "nccl" else dist.ReduceOp.SUM
@@ -320,7 +319,9 @@ class GradSync:
             payload = bucket.comp
         # Bucket i always goes to group i % n, and buckets launch in index order: every rank issues
         # the same collectives on each group in the same order (NCCL and gloo match them by order).
-        group = self._groups[bucket.index % len(self._groups)]
+        # looked up each time instead of kept: distlib.shutdown() drops the groups, and a group
+        # still referenced keeps gloo's worker threads (and the abort at exit) alive
+        group = collectives.comm_groups(self.comm_groups)[bucket.index % self.comm_groups]
         bucket.work = dist.all_reduce(payload, op=self._op, group=group, async_op=True)
 
     def wait(self) -> None:

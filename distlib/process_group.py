@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distlib import collectives
 from distlib.log import get_logger, set_rank
 
 _ENV_REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -241,6 +242,7 @@ def shutdown(*, barrier: bool | None = None) -> None:
             _final_barrier()
         except Exception as e:  # a peer gone or stalled; keep only the text, the frames hold the group
             failure = f"{type(e).__name__}: {e}"
+    collectives.forget_groups()
     _destroy()
     if failure is not None:
         raise RuntimeError(f"not every rank reached the final barrier of shutdown(): {failure}")

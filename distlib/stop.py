@@ -92,6 +92,7 @@ class StopSignal:
         if self._work is not None:
             self._work.wait()
             self._work = None
+        self._group = None  # a group still referenced keeps its gloo threads past shutdown
         self.restore_handlers()
 
     def restore_handlers(self) -> None:
