@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
-import io
-
 import pytest
 
 from distlib.log import _RankHandler, get_logger, set_rank
 
 
+class _Captured:
+    """The handler writes to whatever sys.stderr is at the time: pytest's capture in a test."""
+
+    def __init__(self, capsys: pytest.CaptureFixture):
+        self.capsys = capsys
+
+    def getvalue(self) -> str:
+        return self.capsys.readouterr().err
+
+
 @pytest.fixture
-def captured():
+def captured(capsys):
     logger = get_logger()
-    (handler,) = [h for h in logger.handlers if isinstance(h, _RankHandler)]
-    stream = handler.setStream(io.StringIO())
-    yield logger, handler
-    handler.setStream(stream)
+    assert [h for h in logger.handlers if isinstance(h, _RankHandler)]
+    yield logger, type("H", (), {"stream": _Captured(capsys)})()
     set_rank(0)
 
 
