@@ -48,7 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def resume_settings(cfg) -> dict:
     """The settings a checkpoint is valid for: model, optimizer and schedule, data order and augmentation."""
-    free = {"train.eval_every", "train.tta", "train.cuda_graph", "train.compile"}  # may change on a resume
+    # may change on a resume: they do not change what the weights are
+    free = {"train.eval_every", "train.tta", "train.tta_translate", "train.cuda_graph", "train.prewarm_steps"}
     flat = {f"{sec}.{k}": v for sec in ("model", "train") for k, v in dataclasses.asdict(getattr(cfg, sec)).items()}
     flat |= {f"data.augment.{k}": v for k, v in dataclasses.asdict(cfg.data.augment).items()}
     flat["data.train_subset"] = cfg.data.train_subset
