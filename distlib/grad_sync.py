@@ -319,9 +319,11 @@ class GradSync:
             payload = bucket.comp
         # Bucket i always goes to group i % n, and buckets launch in index order: every rank issues
         # the same collectives on each group in the same order (NCCL and gloo match them by order).
-        # looked up each time instead of kept: distlib.shutdown() drops the groups, and a group
-        # still referenced keeps gloo's worker threads (and the abort at exit) alive
-        group = collectives.comm_groups(self.comm_groups)[bucket.index % self.comm_groups]
+        # Extra groups are looked up, not kept: distlib.shutdown() drops them, and a group still
+        # referenced keeps gloo's worker threads (and the abort at exit) alive. None = default group.
+        group = None
+        if self.comm_groups > 1:
+            group = collectives.comm_groups(self.comm_groups)[bucket.index % self.comm_groups]
         bucket.work = dist.all_reduce(payload, op=self._op, group=group, async_op=True)
 
     def wait(self) -> None:
