@@ -53,7 +53,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 reference: $(STAMP)
-	$(BIN)/python -m distlib.config --update-readme README.md
+	$(BIN)/python -m distlib.runner.config --update-readme README.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache build *.egg-info

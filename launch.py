@@ -22,20 +22,20 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import distlib
 from distlib.checkpoint import Checkpointer, CheckpointError, fingerprint
 from distlib.comm_fallback import Replicas, node_devices
-from distlib.config import ConfigError, dump_yaml, load_config
 from distlib.cuda_graph import build_train_step
-from distlib.data import DataError, load_image_set
-from distlib.device_loader import DeviceLoader, eval_shards, normalize_stats, shift
-from distlib.environment import environment_json
 from distlib.failures import abort, describe, shared_errors
-from distlib.models import build_model, count_params, param_groups
-from distlib.plots import CurvePlot
-from distlib.profiling import StepProfiler
-from distlib.progress import TrainingProgress
-from distlib.run_dir import RunDir
-from distlib.schedule import warmup_linear
+from distlib.runner.config import ConfigError, dump_yaml, load_config
+from distlib.runner.data import DataError, load_image_set
+from distlib.runner.device_loader import DeviceLoader, eval_shards, normalize_stats, shift
+from distlib.runner.environment import environment_json
+from distlib.runner.models import build_model, count_params, param_groups
+from distlib.runner.plots import CurvePlot
+from distlib.runner.profiling import StepProfiler
+from distlib.runner.progress import TrainingProgress
+from distlib.runner.run_dir import RunDir
+from distlib.runner.schedule import warmup_linear
+from distlib.runner.warmup import warm_up
 from distlib.stop import StopSignal
-from distlib.warmup import warm_up
 from distlib.watchdog import Watchdog
 
 

@@ -43,7 +43,7 @@ import distlib
 from distlib.collectives import comm_groups
 from distlib.cuda_graph import CapturedStep
 from distlib.grad_sync import GradSync
-from distlib.models import build_model
+from distlib.runner.models import build_model
 
 MODES = ("single-eager", "single-graph", "ddp-eager", "distlib-eager", "distlib-graph", "fallback")
 MULTI_RANK = ("ddp-eager", "distlib-eager", "distlib-graph")

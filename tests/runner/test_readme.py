@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 import re
 
-from distlib.config import REFERENCE_BEGIN, REFERENCE_END, reference_table
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from distlib.runner.config import REFERENCE_BEGIN, REFERENCE_END, reference_table
+from tests.conftest import ROOT
 
 
 def read(name: str) -> str:

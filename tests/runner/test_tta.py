@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from distlib.device_loader import shift
+from distlib.runner.device_loader import shift
 
 
 def test_shift_moves_the_image_and_fills_the_edge_by_reflection():

@@ -20,7 +20,8 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import ROOT
+
 EPOCH_LINE = re.compile(r"epoch (\d+)/(\d+)  loss ([\d.]+)  acc ([\d.]+)")
 
 pytestmark = pytest.mark.slow

@@ -19,14 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlib.comm_fallback import Replicas
-from tests.multiproc import free_port
+from tests.conftest import ROOT, free_port
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
-]
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.gpus(2)
 
 
 @pytest.fixture
@@ -194,7 +189,7 @@ def _metrics(out_dir):
 def test_two_nodes_match_one_node_with_two_gpus(tmp_path):
     """Intra-node path (cuda.comm between two GPUs of one process) against the inter-node path
     (NCCL between two node processes of one GPU each), and against one process per GPU."""
-    from distlib.data import load_image_set
+    from distlib.runner.data import load_image_set
 
     # Decode the demo data once up front: the decoding run draws from torch's global RNG (a
     # DataLoader inside), which would give that one run another initialization.

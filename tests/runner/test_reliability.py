@@ -23,12 +23,10 @@ import time
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import launch  # noqa: E402
-from distlib.data import load_image_set  # noqa: E402
-from distlib.watchdog import grace_s  # noqa: E402
+import launch
+from distlib.runner.data import load_image_set
+from distlib.watchdog import grace_s
+from tests.conftest import ROOT, free_port
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 DEMO = ["recipes/demo.yaml", "train.epochs=3", "data.train_subset=2048", "model.width=8", "run.checkpoint_every=1"]
@@ -60,12 +58,6 @@ def no_job_outlives_its_test():
         job = Job.running.pop()
         if job.proc.poll() is None:  # a test failed before its job ended
             job.kill()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Job:
@@ -475,12 +467,10 @@ def test_the_readme_table_matches_these_tests():
 
 # ---- the same on two GPUs with NCCL (skipped on CPU machines) ---------------------------------
 
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 NCCL = ["dist.backend=nccl"]
 
 
-@pytest.mark.gpu
-@two_gpus
+@pytest.mark.gpus(2)
 def test_gpu_a_killed_worker_is_restarted_and_resumes(tmp_path):
     out = str(tmp_path / "out")
     job = torchrun(out, extra=("--max-restarts=1",), name="gpu-killed", device=NCCL)
@@ -492,8 +482,7 @@ def test_gpu_a_killed_worker_is_restarted_and_resumes(tmp_path):
     assert_nothing_left(job)
 
 
-@pytest.mark.gpu
-@two_gpus
+@pytest.mark.gpus(2)
 def test_gpu_sigterm_saves_and_the_rerun_finishes(tmp_path):
     out = str(tmp_path / "out")
     job = torchrun(out, name="gpu-sigterm", device=NCCL)
@@ -508,8 +497,7 @@ def test_gpu_sigterm_saves_and_the_rerun_finishes(tmp_path):
     assert [r["epoch"] for r in metrics(out)] == [1, 2, 3]
 
 
-@pytest.mark.gpu
-@two_gpus
+@pytest.mark.gpus(2)
 def test_gpu_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
     out = str(tmp_path / "out")
     timeout = 20

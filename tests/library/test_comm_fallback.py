@@ -15,9 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlib.comm_fallback import Replicas, allreduce_buckets, node_devices
-from tests.multiproc import free_port, run_ranks
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import ROOT, free_port, run_ranks
 
 
 def bn_net() -> nn.Module:
@@ -256,7 +254,7 @@ def _launch(tmp_path, name, *overrides):
 def _warm_data_cache():
     # The first, decoding load draws from torch's global RNG (a DataLoader inside), which
     # changes the model's initialization of that run only: decode before comparing runs.
-    from distlib.data import load_image_set
+    from distlib.runner.data import load_image_set
 
     load_image_set(os.path.join(ROOT, "data", "cifar10-demo"))
 

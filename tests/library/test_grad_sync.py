@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from multiproc import run_ranks
 from torch import nn
 
 from distlib.grad_sync import GradSync, ModelMismatchError
+from tests.conftest import run_ranks
 
 B = 4  # samples per rank
 
@@ -281,7 +281,7 @@ def test_comm_groups_match_one_process(world):
 
 def test_comm_groups_bad_values_and_world_size_one():
     from distlib import collectives
-    from distlib.config import ConfigError, load_config
+    from distlib.runner.config import ConfigError, load_config
 
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="comm_groups must be an integer >= 1"):
@@ -425,8 +425,7 @@ def _nccl_equivalence(ctx):
     return out
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.gpus(2)
 def test_nccl_equivalence_on_two_gpus():
     for res in run_ranks(_nccl_equivalence, 2, backend="nccl", timeout=240):
         for name, r in res.items():
@@ -485,8 +484,7 @@ def _graph_vs_eager(ctx, steps: int = 8, comm_groups: int = 1) -> dict:
     return out
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpus(1)
 def test_captured_step_equals_eager_on_one_gpu():
     out = _graph_vs_eager(None)
     assert out["captured"]
@@ -498,8 +496,7 @@ def _graph_vs_eager_groups(ctx) -> dict:
     return {n: _graph_vs_eager(ctx, comm_groups=n) for n in (1, 2)}
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.gpus(2)
 def test_captured_step_equals_eager_on_two_gpus():
     for res in run_ranks(_graph_vs_eager_groups, 2, backend="nccl", timeout=240):
         for n, out in res.items():

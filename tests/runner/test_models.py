@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from distlib.models import build_model, count_params, param_groups, resnet18_cifar, small_cnn
+from distlib.runner.models import build_model, count_params, param_groups, resnet18_cifar, small_cnn
 
 
 def test_resnet18_cifar_form():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from distlib.progress import TrainingProgress, format_duration, summarize
+from distlib.runner.progress import TrainingProgress, format_duration, summarize
 
 ROWS = [
     {"epoch": 1, "train_loss": 2.0, "test_acc": 0.30, "images_per_s": 1000.0, "epoch_s": 2.0, "train_s": 2.0,
@@ -131,8 +131,7 @@ def test_loss_reader_on_cpu_tensors_and_floats():
     assert p._loss.update(None) == 0.5
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpus(1)
 def test_loss_reader_on_cuda_copies_without_blocking():
     p = TrainingProgress("plain", console=plain_console())
     loss = torch.tensor(1.5, device="cuda")

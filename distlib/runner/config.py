@@ -302,7 +302,7 @@ def dump_yaml(cfg: Config) -> str:
 
 # ---- the config reference in README.md is generated from the dataclasses above ----------------
 
-REFERENCE_BEGIN = "<!-- config-reference:begin (python -m distlib.config --update-readme README.md) -->"
+REFERENCE_BEGIN = "<!-- config-reference:begin (python -m distlib.runner.config --update-readme README.md) -->"
 REFERENCE_END = "<!-- config-reference:end -->"
 
 
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     p = argparse.ArgumentParser(
-        prog="python -m distlib.config",
+        prog="python -m distlib.runner.config",
         description="Validate a recipe and print the resolved config, or print the config reference.",
     )
     p.add_argument("recipe", nargs="?", help="YAML recipe to validate")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distlib.warmup import warm_up
+from distlib.runner.warmup import warm_up
 
 
 def _setup():

@@ -8,9 +8,8 @@ import sys
 
 import pytest
 
-from distlib.config import Config, ConfigError, dump_yaml, load_config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from distlib.runner.config import Config, ConfigError, dump_yaml, load_config
+from tests.conftest import ROOT
 
 
 def problems(recipe=None, overrides=()) -> list[str]:
@@ -177,12 +176,16 @@ def test_launch_with_a_bad_recipe_exits_2_before_anything_starts(tmp_path):
 
 def test_config_cli_validates_and_prints(tmp_path):
     ok = subprocess.run(
-        [sys.executable, "-m", "distlib.config", os.path.join(ROOT, "recipes", "demo.yaml"), "train.epochs=2"],
+        [sys.executable, "-m", "distlib.runner.config", os.path.join(ROOT, "recipes", "demo.yaml"), "train.epochs=2"],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )  # fmt: skip
     assert ok.returncode == 0, ok.stderr
     assert "epochs: 2" in ok.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "distlib.config", "missing.yaml"], capture_output=True, text=True, cwd=ROOT, timeout=120
+        [sys.executable, "-m", "distlib.runner.config", "missing.yaml"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
     )
     assert bad.returncode == 2 and "missing.yaml" in bad.stderr and "no such file" in bad.stderr

@@ -10,8 +10,7 @@ import sys
 import pytest
 
 from distlib.bench import MODES, bucket_bounds, parse_args
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import ROOT
 
 
 def test_help_lists_the_subcommands():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from distlib.profiling import StepProfiler, device_sort_key
+from distlib.runner.profiling import StepProfiler, device_sort_key
 
 
 def train_steps(prof: StepProfiler, n: int, device: str = "cpu") -> None:
@@ -100,8 +100,7 @@ def test_sort_key():
     assert device_sort_key([]) == "self_cpu_time_total"
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpus(1)
 def test_on_gpu_the_table_is_sorted_by_device_time_and_the_trace_has_kernels(tmp_path):
     prof = StepProfiler(str(tmp_path), rank=0, device=torch.device("cuda"), wait=1, warmup=1, active=2)
     train_steps(prof, 5, device="cuda")
@@ -115,7 +114,7 @@ def test_on_gpu_the_table_is_sorted_by_device_time_and_the_trace_has_kernels(tmp
 
 
 def test_config_rejects_a_bad_schedule_before_anything_starts():
-    from distlib.config import ConfigError, load_config
+    from distlib.runner.config import ConfigError, load_config
 
     with pytest.raises(ConfigError) as e:
         load_config(None, ["profile.active=0", "profile.wait=-1", "profile.warmup=x"])

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import distlib
-from distlib.environment import environment_json, git_commit
-from distlib.plots import CurvePlot, plot_curves
+from distlib.runner.environment import environment_json, git_commit
+from distlib.runner.plots import CurvePlot, plot_curves
+from tests.conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ENV_KEYS = {
     "distlib", "python", "platform", "hostname", "torch", "torchvision", "cuda", "cudnn", "nccl", "gpu_count",

@@ -1,8 +1,8 @@
 """Many short multi-rank jobs that exit right after their last collective.
 
 Each rank is a fresh ``python`` process, so every job ends with a real interpreter
-finalization, where the gloo abort happened. Used by tests/test_teardown.py, and
-runnable by hand to measure: ``[WIDEN=1] python tests/teardown_stress.py raw|shutdown|atexit JOBS``.
+finalization, where the gloo abort happened. Used by tests/library/test_teardown.py, and
+runnable by hand to measure: ``[WIDEN=1] python tests/library/teardown_stress.py raw|shutdown|atexit JOBS``.
 Measured on the 2-core machine: raw 1-7 of 20-30 rank processes aborted depending on the
 machine's load, raw with WIDEN=1 8 of 10; shutdown and atexit 0 of 50, with and without WIDEN.
 """
@@ -14,10 +14,9 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
-from multiproc import free_port  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.conftest import ROOT, free_port  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "teardown_rank.py")
 
 

@@ -1,4 +1,8 @@
-"""Run a function on N real gloo ranks (separate processes) and collect results."""
+"""Shared test helpers: the repository root, a free port, real gloo ranks, and the gpus(n) marker.
+
+``@pytest.mark.gpus(n)`` marks a test that needs ``n`` CUDA GPUs: it is selected by ``-m gpu``
+and skipped where fewer GPUs are visible.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,29 @@ import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpus(n): needs n CUDA GPUs; implies the gpu marker; skipped with fewer")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: a gpus(n) test counts as a gpu test
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    have = torch.cuda.device_count()
+    for item in items:
+        mark = item.get_closest_marker("gpus")
+        if mark is None:
+            continue
+        need = mark.args[0] if mark.args else 1
+        item.add_marker(pytest.mark.gpu)
+        if have < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), {have} visible"))
 
 
 def free_port() -> int:

@@ -19,8 +19,8 @@ from distlib.checkpoint import (
     read_verified,
     write_atomic,
 )
-from distlib.models import param_groups, small_cnn
-from distlib.schedule import warmup_linear
+from distlib.runner.models import param_groups, small_cnn
+from distlib.runner.schedule import warmup_linear
 
 
 def make(width: int = 4, seed: int = 0):

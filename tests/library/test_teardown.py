@@ -20,11 +20,11 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_ranks
-from teardown_stress import run_jobs
 
 import distlib
 from distlib import process_group
+from tests.conftest import run_ranks
+from tests.library.teardown_stress import run_jobs
 
 linux_only = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task")
 

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from distlib.config import load_config
+from distlib.runner.config import load_config
+from tests.conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
 
 

@@ -9,11 +9,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+from tests.conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.gpus(1)
+
 EXAMPLE = os.path.join(ROOT, "examples", "dataparallel_to_fallback")
 
 

@@ -1,4 +1,4 @@
-"""One rank of the teardown stress test (run as a script by tests/teardown_stress.py).
+"""One rank of the teardown stress test (run as a script by tests/library/teardown_stress.py).
 
 Like a training script: it starts the group, builds an optimizer (whose first
 construction imports torch._dynamo), runs a few collectives and exits right

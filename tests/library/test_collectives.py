@@ -8,9 +8,9 @@ import time
 
 import pytest
 import torch
-from multiproc import run_ranks
 
 import distlib
+from tests.conftest import run_ranks
 
 DTYPES = [torch.float32, torch.float64, torch.int64]
 

@@ -11,14 +11,13 @@ import sys
 import pytest
 import torch
 import yaml
-from multiproc import run_ranks
 from torch.utils.data import DistributedSampler, TensorDataset
 
 import distlib
-from distlib.device_loader import DeviceLoader
-from distlib.models import small_cnn
+from distlib.runner.device_loader import DeviceLoader
+from distlib.runner.models import small_cnn
+from tests.conftest import ROOT, run_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "recipes", "demo.yaml")
 METRIC_KEYS = {"epoch", "train_loss", "test_acc", "images_per_s", "elapsed_s", "world_size"}
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -145,9 +144,8 @@ def test_exact_evaluation_is_the_same_at_world_size_1_2_3(monkeypatch):
     assert {r[3] for r in two} == {104} and {r[3] for r in three} == {105}  # what padding would have counted
 
 
-@pytest.mark.gpu
+@pytest.mark.gpus(1)
 @pytest.mark.slow
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_demo_on_gpus_with_nccl(tmp_path, cache_dir):
     """One process per GPU (up to two): NCCL chosen by dist.backend=auto, a clean teardown."""
     nproc = min(2, torch.cuda.device_count())

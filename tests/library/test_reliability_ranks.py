@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 from distlib.checkpoint import Checkpointer, CheckpointError, fingerprint
-from distlib.data import DataError
 from distlib.failures import describe, shared_errors
+from distlib.runner.data import DataError
 from distlib.stop import StopSignal
-from tests.multiproc import run_ranks
-from tests.test_checkpoint import make, objects
+from tests.conftest import run_ranks
+from tests.library.test_checkpoint import make, objects
 
 
 def _per_rank_checkpoint(ctx, directory: str) -> dict:
@@ -142,4 +142,4 @@ def test_a_collective_timeout_is_explained(two_ranks):
     message = two_ranks[0]["timeout"]
     assert message is not None
     assert message.startswith("rank 0 timed out waiting for the other ranks in all_reduce (called from ")
-    assert "tests/test_reliability_ranks.py" in message and "after 2 s (dist.timeout_s)" in message
+    assert "tests/library/test_reliability_ranks.py" in message and "after 2 s (dist.timeout_s)" in message
