@@ -1,0 +1,111 @@
+"""compile_for_sync: a compiled model under GradSync gets the eager gradients, and the bucket
+all_reduces start before its backward ends (the overlap a single compiled graph loses)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from distlib.compile import compile_for_sync
+from distlib.grad_sync import GradSync
+from tests.conftest import run_ranks
+
+TOL = {"rtol": 1e-5, "atol": 1e-7}  # fp32; a compiled graph may sum in another order than eager
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5)
+    )
+
+
+def _compute_nodes(root) -> list:
+    """The autograd nodes reachable from ``root``, AccumulateGrad excepted: one per compiled graph."""
+    seen, stack, out = set(), [root], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ != "AccumulateGrad":
+            out.append(node)
+        stack.extend(f for f, _ in node.next_functions)
+    return out
+
+
+def _run(ctx, backend: str) -> dict:
+    return {"eager": _grads_and_launches(ctx, False, backend), "compiled": _grads_and_launches(ctx, True, backend)}
+
+
+def _grads_and_launches(ctx, compiled: bool, backend: str) -> dict:
+    model = _net()
+    # ~one Linear per bucket: 4 buckets, so 3 of them can start before the backward ends
+    sync = GradSync(model, bucket_mb=0.016, first_bucket_mb=0.004)
+    net = compile_for_sync(model, sync, backend=backend) if compiled else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(ctx.rank)  # each rank its own data: the average matters
+    launches: list[int] = []
+    done = [0]
+    all_reduce = dist.all_reduce
+
+    def recording(*args, **kwargs):  # the compute nodes run when each bucket is launched
+        launches.append(done[0])
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = recording
+    try:
+        for _ in range(3):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
+            loss = F.cross_entropy(net(x), y)
+            nodes = _compute_nodes(loss.grad_fn)
+            done[0] = 0
+            hooks = [n.register_hook(lambda *_: done.__setitem__(0, done[0] + 1)) for n in nodes]
+            launches.clear()
+            loss.backward()
+            for h in hooks:
+                h.remove()
+            sync.wait()
+            grads = [p.grad.clone() for p in model.parameters()]
+            opt.step()
+            opt.zero_grad()
+    finally:
+        dist.all_reduce = all_reduce
+    return {"grads": grads, "launches": list(launches), "nodes": len(nodes), "buckets": len(sync.buckets)}
+
+
+def test_compiled_gradients_match_eager_and_buckets_launch_during_backward():
+    # aot_eager: AOTAutograd's one-node backward (what hides the hooks) without inductor's minutes of
+    # C++ compilation on a loaded CPU; inductor itself: bench/compile_overlap.py
+    results = run_ranks(_run, 2, "aot_eager", timeout=600)
+    eager, compiled = [r["eager"] for r in results], [r["compiled"] for r in results]
+    for e, c in zip(eager, compiled):
+        assert c["buckets"] == e["buckets"] == 4
+        for ge, gc in zip(e["grads"], c["grads"]):
+            torch.testing.assert_close(gc, ge, **TOL)
+    for r in compiled:
+        # Buckets 0 and 1 hold the gradients of the last three Linears: they start while compiled
+        # backward graphs are still to run, one graph apart (one graph for the whole model: none would).
+        # Buckets 2 and 3 need the first Linear's gradients, which come with the backward's last graph.
+        n = r["launches"]
+        assert len(n) == r["buckets"] and n == sorted(n), r
+        assert n[0] < n[1] < r["nodes"] and n[2] == n[3] == r["nodes"], r
+
+
+def test_world_size_one_is_plain_compile_and_bad_input_is_named():
+    model = _net()
+    sync = GradSync(model)  # world size 1: no buckets
+    net = compile_for_sync(model, sync, backend="aot_eager")
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(net(x), model(x))
+    with pytest.raises(TypeError, match="GradSync"):
+        compile_for_sync(model, object())
+    with pytest.raises(ValueError, match="another model"):
+        compile_for_sync(_net(), sync)
+    with pytest.raises(ValueError, match="backend='inductor'"):
+        compile_for_sync(model, sync, backend="aot_eager", mode="reduce-overhead")
+    with pytest.raises(TypeError, match="nn.Module"):
+        compile_for_sync(lambda x: x, sync)
