@@ -3,6 +3,7 @@
 ctx = distlib.init()                       # torchrun's environment, or world size 1
 loader = distlib.distributed_loader(ds, batch_size=64)
 sync = distlib.GradSync(model)             # after loss.backward(): sync.wait()
+net = distlib.compile_for_sync(model, sync)  # torch.compile, the all_reduces still overlapped
 ...
 distlib.shutdown()
 """
@@ -17,6 +18,7 @@ from distlib.collectives import (
     sync_buffers,
 )
 from distlib.comm_fallback import Replicas
+from distlib.compile import compile_for_sync
 from distlib.grad_sync import GradSync
 from distlib.log import get_logger
 from distlib.process_group import Context, EnvError, init, shutdown
@@ -36,6 +38,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object",
+    "compile_for_sync",
     "distributed_loader",
     "get_logger",
     "init",

@@ -17,8 +17,10 @@ step: training images/s on synthetic data kept on the device (bf16 autocast and 
 GPUs), ``--batch`` images per GPU, for the modes single-eager, single-graph (one GPU each, every
 rank alone), ddp-eager (DistributedDataParallel, the anchor), distlib-eager, distlib-graph
 (GradSync, without and with whole-step CUDA graph capture; once per ``--comm-groups`` value, the
-rows of n > 1 named e.g. ``distlib-graph:g2``) and fallback (one process drives all its GPUs:
-distlib.comm_fallback, issue 4). Runs on CPU/gloo too, with small sizes.
+rows of n > 1 named e.g. ``distlib-graph:g2``), fallback (one process drives all its GPUs:
+distlib.comm_fallback, issue 4), and the torch.compile modes distlib-compile (GradSync through
+``distlib.compile_for_sync``), ddp-compile (``torch.compile(DDP(model))``) and ddp-reduce-overhead
+(the same with ``mode="reduce-overhead"``). Runs on CPU/gloo too, with small sizes.
 
 The last lines printed are a short summary table; ``--json PATH`` writes every result.
 """
@@ -45,8 +47,11 @@ from distlib.cuda_graph import CapturedStep
 from distlib.grad_sync import GradSync
 from distlib.runner.models import build_model
 
-MODES = ("single-eager", "single-graph", "ddp-eager", "distlib-eager", "distlib-graph", "fallback")
-MULTI_RANK = ("ddp-eager", "distlib-eager", "distlib-graph")
+# torch.compile'd models: GradSync through distlib.compile_for_sync, DDP under torch.compile (its
+# DDPOptimizer splits the graph at DDP's buckets), DDP under compile(mode="reduce-overhead")
+COMPILE_MODES = ("distlib-compile", "ddp-compile", "ddp-reduce-overhead")
+MODES = ("single-eager", "single-graph", "ddp-eager", "distlib-eager", "distlib-graph", "fallback", *COMPILE_MODES)
+MULTI_RANK = ("ddp-eager", "distlib-eager", "distlib-graph", *COMPILE_MODES)
 _MB = 2**20
 
 
@@ -286,7 +291,54 @@ def _loss_fn(model: nn.Module, device: torch.device, bf16: bool) -> Callable[...
     return loss_fn
 
 
+def _run_compiled_mode(mode: str, args, ctx, groups: int = 1) -> StepResult:
+    """One of COMPILE_MODES: an eager-style step around a torch.compile'd model (compilation happens
+    in the warm-up steps)."""
+    from distlib.compile import compile_for_sync
+
+    device, world = ctx.device, ctx.world_size
+    if world < 2:
+        raise BenchUnavailable("needs >= 2 ranks (torchrun --nproc-per-node=N)")
+    if mode == "ddp-reduce-overhead" and device.type != "cuda":
+        raise BenchUnavailable("reduce-overhead is CUDA graphs: needs a GPU")
+    model, opt = _build(args, device, fused=False)
+    x, y = _make_inputs(args, device)
+    sync = None
+    extra: dict = {}
+    if mode == "distlib-compile":
+        sync = GradSync(model, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb, comm_groups=groups)
+        net = compile_for_sync(model, sync, backend=args.compile_backend)
+    else:
+        ddp = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=args.bucket_mb
+        )
+        if mode == "ddp-reduce-overhead":
+            net = torch.compile(ddp, mode="reduce-overhead")  # inductor's: CUDA graphs
+        else:
+            net = torch.compile(ddp, backend=args.compile_backend)
+    loss_fn = _loss_fn(net, device, args.precision == "bf16" and device.type == "cuda")
+
+    def step():
+        loss = loss_fn(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if sync is not None:
+            sync.wait()
+        opt.step()
+
+    seconds = _timed(step, args.steps, args.warmup, device)
+    if sync is not None:
+        extra["bucket_mb"] = [round(b / _MB, 2) for b in sync.bucket_sizes()]
+        extra["comm_groups"] = groups
+        sync.close()
+    torch._dynamo.reset()  # the next mode compiles afresh
+    name = f"{mode}:g{groups}" if groups > 1 else mode
+    return StepResult(name, world, args.batch, seconds * 1e3, args.batch * world / seconds, extra=extra)
+
+
 def _run_mode(mode: str, args, ctx, groups: int = 1) -> StepResult:
+    if mode in COMPILE_MODES:
+        return _run_compiled_mode(mode, args, ctx, groups)
     device = ctx.device
     world = ctx.world_size
     bf16 = args.precision == "bf16" and device.type == "cuda"
@@ -509,6 +561,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     st.add_argument("--warmup", type=int, default=10, help="untimed steps first (graph modes capture in them)")
     st.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="autocast dtype on GPUs")
     st.add_argument("--no-channels-last", dest="channels_last", action="store_false")
+    st.add_argument(
+        "--compile-backend", default="inductor", help="torch.compile backend of distlib-compile, ddp-compile"
+    )
     st.add_argument(
         "--comm-groups",
         type=_counts,

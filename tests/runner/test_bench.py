@@ -94,3 +94,36 @@ def test_tiny_run_on_two_gloo_ranks(tmp_path):
         assert [b["groups"] for b in r["bucketed"]] == [1, 2] and all(b["busbw"] > 0 for b in r["bucketed"])
     assert [m["groups"] for m in ar["model_sync"]] == [1, 2] and all(m["sync_ms"] > 0 for m in ar["model_sync"])
     assert res["environment"]["world_size"] == 2
+
+
+def test_compile_modes_on_two_gloo_ranks(tmp_path):
+    """distlib-compile and ddp-compile run (aot_eager: AOTAutograd without inductor's C++ build);
+    reduce-overhead is reported as needing a GPU."""
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "torchrun"),
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "distlib.bench",
+        "step",
+        "--device=cpu",
+        "--model=small_cnn",
+        "--width=8",
+        "--batch=4",
+        "--image-size=16",
+        "--steps=2",
+        "--warmup=1",
+        "--modes=distlib-compile,ddp-compile,ddp-reduce-overhead",
+        "--compile-backend=aot_eager",
+        "--bucket-mb=0.01",
+        "--first-bucket-mb=0.002",
+        f"--json={tmp_path / 'bench.json'}",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "bench.json").read_text())["step"]}
+    for mode in ("distlib-compile", "ddp-compile"):
+        assert not rows[mode]["note"] and rows[mode]["images_per_s"] > 0, rows[mode]
+    assert len(rows["distlib-compile"]["extra"]["bucket_mb"]) > 1  # several buckets: the graph is split
+    assert "needs a GPU" in rows["ddp-reduce-overhead"]["note"]
