@@ -108,14 +108,14 @@ def test_compile_modes_on_two_gloo_ranks(tmp_path):
         "step",
         "--device=cpu",
         "--model=small_cnn",
-        "--width=8",
+        "--width=64",  # 1.5 MB of parameters: 3 buckets
         "--batch=4",
         "--image-size=16",
         "--steps=2",
         "--warmup=1",
         "--modes=distlib-compile,ddp-compile,ddp-reduce-overhead",
         "--compile-backend=aot_eager",
-        "--bucket-mb=0.01",
+        "--bucket-mb=1",  # torch.compile(DDP) needs buckets of >= 1 MB (its first bucket's size)
         "--first-bucket-mb=0.002",
         f"--json={tmp_path / 'bench.json'}",
     ]
