@@ -3,8 +3,9 @@
     torchrun --standalone --nproc-per-node=2 bench/compile_overlap.py --modes eager,compile,sync
 
 Modes: eager; compile (torch.compile(model)); sync (distlib.compile_for_sync); ddpopt (torch's
-DDPOptimizer as the backend, with GradSync's bucket sizes as caps); ca (compiled autograd on);
-blocks (``Module.compile()`` on every largest submodule whose parameters lie in one bucket).
+DDPOptimizer as the backend, with GradSync's bucket sizes as caps); ca (torch.compile(model), the
+backward under compiled autograd); blocks (``Module.compile()`` on every largest submodule whose
+parameters lie in one bucket).
 ``--backend aot_eager`` skips inductor's C++ compilation (same graphs, same autograd nodes).
 
 For each mode, after warm-up steps, one backward is recorded: the time of each bucket launch as a
@@ -45,7 +46,18 @@ def compute_nodes(root) -> list:
     return out
 
 
-def record(model, sync, x, y, events) -> tuple:
+def _backward(loss, ca_backend):
+    """loss.backward(), through compiled autograd when ``ca_backend`` is given."""
+    if ca_backend is None:
+        loss.backward()
+        return
+    from torch._dynamo import compiled_autograd
+
+    with compiled_autograd._enable(torch.compile(backend=ca_backend)):
+        loss.backward()
+
+
+def record(model, sync, x, y, events, ca_backend=None) -> tuple:
     """One step; returns step and backward seconds, (time fraction, node fraction) per launch, and the
     number of compute nodes."""
     t_step = time.perf_counter()
@@ -56,7 +68,7 @@ def record(model, sync, x, y, events) -> tuple:
     events.clear()
     events.append(("count", done))
     t0 = time.perf_counter()
-    loss.backward()
+    _backward(loss, ca_backend)
     t1 = time.perf_counter()
     sync.wait()
     t2 = time.perf_counter()
@@ -132,13 +144,13 @@ def main() -> int:
                 )
                 net = torch.compile(model, backend=ddpo.compile_fn)
             elif mode == "ca":
-                torch._dynamo.config.compiled_autograd = True
                 net = torch.compile(model, backend=args.backend)
+            ca = args.backend if mode == "ca" else None
             for _ in range(args.steps):
-                F.cross_entropy(net(x), y).backward()
+                _backward(F.cross_entropy(net(x), y), ca)
                 sync.wait()
             t_compile = time.perf_counter() - t_compile
-            results = [record(net, sync, x, y, events) for _ in range(3)]
+            results = [record(net, sync, x, y, events, ca) for _ in range(3)]
             step, secs, launches, n = min(results, key=lambda r: r[0])
             if ctx.is_main:
                 txt = " ".join(f"b{i}:t={tf:.2f},n={nf:.2f}" for i, (tf, nf) in enumerate(launches))
@@ -147,7 +159,6 @@ def main() -> int:
                     f"warm-up {t_compile:5.1f} s | {txt}",
                     flush=True,
                 )
-            torch._dynamo.config.compiled_autograd = False
             sync.close()
     finally:
         distlib.shutdown()

@@ -37,15 +37,18 @@ def _compute_nodes(root) -> list:
     return out
 
 
-def _run(ctx, backend: str) -> dict:
-    return {"eager": _grads_and_launches(ctx, False, backend), "compiled": _grads_and_launches(ctx, True, backend)}
+def _run(ctx, backend: str, mode: str | None = None) -> dict:
+    return {
+        "eager": _grads_and_launches(ctx, False, backend, mode),
+        "compiled": _grads_and_launches(ctx, True, backend, mode),
+    }
 
 
-def _grads_and_launches(ctx, compiled: bool, backend: str) -> dict:
-    model = _net()
-    # ~one Linear per bucket: 4 buckets, so 3 of them can start before the backward ends
+def _grads_and_launches(ctx, compiled: bool, backend: str, mode: str | None = None) -> dict:
+    model = _net().to(ctx.device)
+    # 4 buckets, [fc4.bias fc4.weight fc3.bias] [fc3.weight fc2.bias] [fc2.weight fc1.bias] [fc1.weight]
     sync = GradSync(model, bucket_mb=0.016, first_bucket_mb=0.004)
-    net = compile_for_sync(model, sync, backend=backend) if compiled else model
+    net = compile_for_sync(model, sync, backend=backend, mode=mode) if compiled else model
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(ctx.rank)  # each rank its own data: the average matters
     launches: list[int] = []
@@ -59,7 +62,7 @@ def _grads_and_launches(ctx, compiled: bool, backend: str) -> dict:
     dist.all_reduce = recording
     try:
         for _ in range(3):
-            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
+            x, y = torch.randn(8, 16, generator=g).to(ctx.device), torch.randint(0, 5, (8,), generator=g).to(ctx.device)
             loss = F.cross_entropy(net(x), y)
             nodes = _compute_nodes(loss.grad_fn)
             done[0] = 0
@@ -69,7 +72,7 @@ def _grads_and_launches(ctx, compiled: bool, backend: str) -> dict:
             for h in hooks:
                 h.remove()
             sync.wait()
-            grads = [p.grad.clone() for p in model.parameters()]
+            grads = [p.grad.cpu() for p in model.parameters()]
             opt.step()
             opt.zero_grad()
     finally:
@@ -77,15 +80,12 @@ def _grads_and_launches(ctx, compiled: bool, backend: str) -> dict:
     return {"grads": grads, "launches": list(launches), "nodes": len(nodes), "buckets": len(sync.buckets)}
 
 
-def test_compiled_gradients_match_eager_and_buckets_launch_during_backward():
-    # aot_eager: AOTAutograd's one-node backward (what hides the hooks) without inductor's minutes of
-    # C++ compilation on a loaded CPU; inductor itself: bench/compile_overlap.py
-    results = run_ranks(_run, 2, "aot_eager", timeout=600)
+def _check(results: list[dict], tol: dict) -> None:
     eager, compiled = [r["eager"] for r in results], [r["compiled"] for r in results]
     for e, c in zip(eager, compiled):
         assert c["buckets"] == e["buckets"] == 4
         for ge, gc in zip(e["grads"], c["grads"]):
-            torch.testing.assert_close(gc, ge, **TOL)
+            torch.testing.assert_close(gc, ge, **tol)
     for r in compiled:
         # Buckets 0 and 1 hold the gradients of the last three Linears: they start while compiled
         # backward graphs are still to run, one graph apart (one graph for the whole model: none would).
@@ -93,6 +93,19 @@ def test_compiled_gradients_match_eager_and_buckets_launch_during_backward():
         n = r["launches"]
         assert len(n) == r["buckets"] and n == sorted(n), r
         assert n[0] < n[1] < r["nodes"] and n[2] == n[3] == r["nodes"], r
+
+
+def test_compiled_gradients_match_eager_and_buckets_launch_during_backward():
+    # aot_eager: AOTAutograd's one-node backward (what hides the hooks) without inductor's minutes of
+    # C++ compilation on a loaded CPU; inductor itself: bench/compile_overlap.py
+    _check(run_ranks(_run, 2, "aot_eager", timeout=600), TOL)
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_inductor_on_two_gpus(mode):
+    """Inductor (and its CUDA graphs under reduce-overhead) on NCCL: the same gradients and order."""
+    _check(run_ranks(_run, 2, "inductor", mode, backend="nccl", timeout=600), {"rtol": 1e-4, "atol": 1e-5})
 
 
 def test_world_size_one_is_plain_compile_and_bad_input_is_named():
