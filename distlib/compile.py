@@ -29,7 +29,7 @@ def _graph_params(gm: torch.fx.GraphModule) -> dict[int, nn.Parameter]:
         if node.op == "placeholder":
             fake, arg = node.meta.get("example_value"), node.meta.get("grapharg")
             real = arg.example if arg is not None else None
-            if isinstance(real, nn.Parameter):
+            if fake is not None and isinstance(real, nn.Parameter):
                 out[id(fake)] = real
         elif node.op == "get_attr":
             value = getattr(gm, node.target, None)
