@@ -21,7 +21,7 @@ help:
 	@echo "make test                        ruff check + the whole test suite"
 	@echo "make train RECIPE=... ARGS=...   torchrun --nproc-per-node=\$$NPROC launch.py RECIPE ARGS"
 	@echo "make lint | format               ruff check and format check | format in place"
-	@echo "make reference                   regenerate the config reference in README.md"
+	@echo "make reference                   regenerate docs/configuration.md from the config dataclasses"
 	@echo "make clean                       remove the environment, runs/ and caches"
 
 setup: $(STAMP)
@@ -53,7 +53,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 reference: $(STAMP)
-	$(BIN)/python -m distlib.runner.config --update-readme README.md
+	$(BIN)/python -m distlib.runner.config --write-docs docs/configuration.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache build *.egg-info

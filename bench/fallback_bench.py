@@ -1,11 +1,11 @@
 """The fallback mode against nn.DataParallel and DDP, in one call on one multi-GPU node.
 
 ResNet18-CIFAR, bf16 autocast, channels_last, synthetic data on the GPU, SGD; 512 images per
-GPU by default. nn.DataParallel, DDP eager and one GPU eager come from the anchor script
-(anchor/rn18_throughput.py, run as subprocesses); the fallback mode (eager, and with
+GPU by default. nn.DataParallel, DDP eager and one GPU eager come from the baseline script
+(bench/baselines/rn18_throughput.py, run as subprocesses); the fallback mode (eager, and with
 per-replica CUDA graphs) runs in this process, followed by where a fallback step's time goes.
 
-    python bench/fallback_bench.py --anchor .bench/anchor [--batch 512] [--json out.json]
+    python bench/fallback_bench.py [--baselines bench/baselines] [--batch 512] [--json out.json]
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from distlib.comm_fallback import benchmark_step, step_breakdown  # noqa: E402
 _RESULT = re.compile(r"RESULT .*step_ms=([\d.]+) images_per_s=([\d.]+)")
 
 
-def run_anchor(anchor: str, mode: str, batch: int, nproc: int = 0, steps: int = 40, warm: int = 10) -> dict | None:
-    script = os.path.join(anchor, "rn18_throughput.py")
+def run_baseline(baselines: str, mode: str, batch: int, nproc: int = 0, steps: int = 40, warm: int = 10) -> dict | None:
+    script = os.path.join(baselines, "rn18_throughput.py")
     env = {**os.environ, "MODE": mode, "BATCH": str(batch), "STEPS": str(steps), "WARM": str(warm)}
     cmd = [sys.executable, script]
     if nproc:
@@ -39,22 +39,22 @@ def run_anchor(anchor: str, mode: str, batch: int, nproc: int = 0, steps: int = 
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     m = _RESULT.search(proc.stdout)
     if proc.returncode != 0 or not m:
-        print(f"anchor {mode} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-2000:]}", flush=True)
+        print(f"baseline {mode} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-2000:]}", flush=True)
         return None
-    print(f"  anchor {mode}: {float(m.group(2)):.0f} images/s ({time.perf_counter() - t:.0f} s)", flush=True)
+    print(f"  baseline {mode}: {float(m.group(2)):.0f} images/s ({time.perf_counter() - t:.0f} s)", flush=True)
     return {"images_per_s": float(m.group(2)), "step_ms": float(m.group(1))}
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--anchor", default=os.path.join(ROOT, ".bench", "anchor"), help="folder of rn18_throughput.py")
+    p.add_argument("--baselines", default=os.path.join(ROOT, "bench", "baselines"), help="folder of rn18_throughput.py")
     p.add_argument("--batch", type=int, default=512, help="images per GPU")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument(
         "--model",
-        choices=["anchor", "distlib"],
-        default="anchor",
-        help="anchor: the anchor's ResNet18 (the network of the DP/DDP figures); distlib: models.py's",
+        choices=["baseline", "distlib"],
+        default="baseline",
+        help="baseline: the baseline's ResNet18 (the network of the DP/DDP figures); distlib: models.py's",
     )
     p.add_argument("--json", default="", help="also write the results here")
     args = p.parse_args(argv)
@@ -62,30 +62,29 @@ def main(argv: list[str]) -> int:
     if n == 0:
         print("error: no GPU visible; this benchmark needs a node with GPUs", file=sys.stderr)
         return 2
-    have_anchor = os.path.isfile(os.path.join(args.anchor, "rn18_throughput.py"))
+    have_baselines = os.path.isfile(os.path.join(args.baselines, "rn18_throughput.py"))
     model_fn = None
-    if args.model == "anchor":
-        if not have_anchor:
-            print(
-                f"error: no rn18_throughput.py in {args.anchor}; pass --anchor DIR or --model distlib", file=sys.stderr
-            )
+    if args.model == "baseline":
+        if not have_baselines:
+            msg = f"error: no rn18_throughput.py in {args.baselines}; pass --baselines DIR or --model distlib"
+            print(msg, file=sys.stderr)
             return 2
-        sys.path.insert(0, args.anchor)
-        from common import ResNet18  # the anchor's model: the same network as the DP/DDP figures
+        sys.path.insert(0, args.baselines)
+        from common import ResNet18  # the baseline's model: the same network as the DP/DDP figures
 
         model_fn = ResNet18
     print(f"{n} GPU(s): {torch.cuda.get_device_name(0)}; torch {torch.__version__}; {args.batch} images per GPU; "
           f"model: {args.model}'s ResNet18-CIFAR", flush=True)  # fmt: skip
 
     results: dict[str, dict] = {}
-    if have_anchor:
-        print("anchors (subprocesses):", flush=True)
+    if have_baselines:
+        print("baselines (subprocesses):", flush=True)
         for name, mode, nproc, steps, warm in [
-            ("1 GPU eager (anchor)", "single", 0, args.steps, 10),
-            (f"DDP eager, {n} GPUs (anchor)", "ddp", n, args.steps, 10),
-            (f"nn.DataParallel, {n} GPUs (anchor)", "dp", 0, 10, 3),  # ~0.8 s a step: fewer steps
+            ("1 GPU eager (baseline)", "single", 0, args.steps, 10),
+            (f"DDP eager, {n} GPUs (baseline)", "ddp", n, args.steps, 10),
+            (f"nn.DataParallel, {n} GPUs (baseline)", "dp", 0, 10, 3),  # ~0.8 s a step: fewer steps
         ]:
-            r = run_anchor(args.anchor, mode, args.batch, nproc, steps, warm)
+            r = run_baseline(args.baselines, mode, args.batch, nproc, steps, warm)
             if r:
                 results[name] = r
     print("fallback mode (this process):", flush=True)

@@ -15,10 +15,10 @@ bytes * 2 (n - 1) / n / time.
 
 step: training images/s on synthetic data kept on the device (bf16 autocast and channels_last on
 GPUs), ``--batch`` images per GPU, for the modes single-eager, single-graph (one GPU each, every
-rank alone), ddp-eager (DistributedDataParallel, the anchor), distlib-eager, distlib-graph
+rank alone), ddp-eager (DistributedDataParallel, the baseline), distlib-eager, distlib-graph
 (GradSync, without and with whole-step CUDA graph capture; once per ``--comm-groups`` value, the
 rows of n > 1 named e.g. ``distlib-graph:g2``) and fallback (one process drives all its GPUs:
-distlib.comm_fallback, issue 4). Runs on CPU/gloo too, with small sizes.
+distlib.comm_fallback). Runs on CPU/gloo too, with small sizes.
 
 The last lines printed are a short summary table; ``--json PATH`` writes every result.
 """
@@ -338,7 +338,7 @@ def _run_mode(mode: str, args, ctx, groups: int = 1) -> StepResult:
 
 
 def fallback_step(args: argparse.Namespace) -> StepResult:
-    """The fallback mode of issue 4: one process drives every GPU of its node (torch.cuda.comm),
+    """The fallback mode: one process drives every GPU of its node (torch.cuda.comm),
     measured by ``distlib.comm_fallback.benchmark_step`` (with its per-GPU CUDA graphs). Reports
     'not available' where that module or a GPU is missing."""
     try:
@@ -409,7 +409,7 @@ def format_step(results: list[StepResult], args) -> str:
 
 # ---- summary, environment, CLI --------------------------------------------------------------
 def summary(out: dict) -> list[tuple[str, str]]:
-    """The issue's targets, measured (only what this run measured)."""
+    """The targets, measured (only what this run measured)."""
     rows = []
     steps = {r["mode"]: r for r in out.get("step", []) if not r["note"]}
     if "ddp-eager" in steps and "distlib-eager" in steps:

@@ -1,27 +1,8 @@
 """Checkpoints a resumed run can continue from exactly, written atomically by rank 0.
 
-One file per checkpoint, ``<dir>/epoch0003-step000000.pt``, holding:
-
-- ``state``: the ``state_dict()`` of every object handed to ``save`` (model,
-  optimizer, LR scheduler, EMA, ...), moved to the CPU;
-- ``position``: completed epochs, steps done in the next epoch, the global step;
-- ``ranks``: per rank, its RNG states (torch CPU, CUDA, python ``random``,
-  numpy), the buffers of each module (BatchNorm running statistics are
-  computed from each rank's own batches, so they differ between ranks unless
-  something syncs them) and the caller's per-rank values (a partial epoch's
-  loss sum), gathered
-  to rank 0, so one file is one consistent snapshot (per-rank files would need
-  a commit protocol across files and a filesystem that every node shares; the
-  states are a few KB each);
-- ``fingerprint``: parameter names, shapes and dtypes, and the settings that
-  must not change across a resume (given by the caller);
-- ``extra``: anything else the caller needs (partial epoch loss, timers);
-- ``checksum``: sha256 over all of the above, checked on load.
-
-Only tensors and plain containers are stored, so ``torch.load(weights_only=True)``
-reads it: no pickled objects, no code runs on load. A truncated or corrupted
-file fails that load or the checksum; the previous checkpoint is then used,
-with a warning.
+One file per checkpoint (``<dir>/epoch0003-step000000.pt``): the objects' state_dicts, the
+position, per-rank RNG states and buffers gathered to rank 0, a fingerprint and a sha256 checksum;
+only tensors and plain containers, read with ``torch.load(weights_only=True)``. docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,8 @@
 """The cuda.comm fallback mode: one process per node drives all of that node's GPUs.
 
-For clusters that cannot run one process per GPU. Inside a node, ``torch.cuda.comm``
-moves tensors between the GPUs of the one process; between nodes the node processes
-talk through torch.distributed (NCCL or gloo; world size = number of nodes).
-
-One training step (``Replicas.train_step``)::
-
-    root params ──broadcast──▶ replica params          (one flat buffer per dtype, comm.broadcast)
-    node batch  ──scatter────▶ one shard per GPU        (comm.scatter)
-    forward of replica 0, 1, … issued from ONE thread   (CUDA launches are asynchronous)
-    backward of all replicas in one autograd call       (autograd runs each GPU's backward on that
-                                                          GPU's own C++ worker thread, concurrently)
-    replica grads ──reduce_add──▶ root                  (one flat buffer per dtype, comm.reduce_add)
-    root sum ──all_reduce across nodes──▶ ÷ total GPUs  (torch.distributed, in buckets)
-    optimizer.step() on the root replica only            (by the caller)
-
-Unlike nn.DataParallel, the replicas are built once (not re-replicated every step) and no
-Python thread per GPU fights over the interpreter. With ``cuda_graph=True`` each replica's
-forward+backward is captured once as a CUDA graph on its own GPU and replayed: the host then
-spends microseconds per replica instead of the milliseconds an eager ResNet's launches take.
-
-The gradient math is that of one process per GPU: each replica's loss is the mean over its own
-shard; the summed gradients are divided by the number of GPUs of all nodes.
-
-BatchNorm running statistics: each replica updates its own during training (they only matter
-outside training: training uses batch statistics); ``sync_buffers()`` averages them over all
-GPUs of all nodes. That costs nothing per step, and the root (used for evaluation and
-checkpoints) then holds statistics of every shard rather than of one GPU's shard (DDP's choice).
+Inside a node ``torch.cuda.comm`` broadcasts parameters, scatters the batch and reduces the
+gradients between persistent replicas; between nodes the node processes all_reduce through
+torch.distributed. What a step does and costs, and when to use it: docs/fallback.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,8 @@
 """Gradient averaging over ranks: flat bucket buffers, all_reduce overlapped with backward.
 
-How it works:
-
-- The trainable parameters are laid out in flat buffers (one per dtype), in the order their
-  gradients arrive in backward: reverse registration order at first, rank 0's observed order
-  after the first synced step (rebuilt once, the same on every rank). The buffers are cut into
-  buckets: a small first one (``first_bucket_mb``) so that communication starts early, then
-  ``bucket_mb`` each.
-- After ``wait()`` every ``p.grad`` is a view into its bucket, with the parameter's own strides
-  (channels_last weights get channels_last gradient views, so fused/foreach optimizers keep
-  their fast path).
-- A post-accumulate-grad hook per parameter marks it ready. When a bucket is complete and every
-  earlier bucket has been launched (all ranks must issue collectives in the same order), its
-  asynchronous all_reduce is launched, overlapping the rest of backward. The division by the
-  world size is folded in: ReduceOp.AVG on NCCL, a pre-division on gloo (which has no AVG).
-- Collectives on one communicator run one after another, so a 25 MB bucket only reaches the
-  ~25 MB point of NCCL's bandwidth curve. With ``comm_groups=n`` bucket i goes to process group
-  i % n (each its own communicator and NCCL stream), so consecutive buckets' all_reduces run
-  concurrently. Each group still sees the same collectives in the same order on every rank.
-- Gradients that the backward produced as fresh tensors (after ``opt.zero_grad()``, which sets
-  them to None) are copied into the bucket with one multi-tensor copy per bucket; gradients that
-  are already bucket views were accumulated in place by autograd and need nothing.
-- A parameter that got no gradient in a step does not hang the job: ``wait()`` launches the
-  buckets that are still open, with zeros for missing gradients (its ``.grad`` ends as the
-  average over ranks: zero if no rank used it, where DDP would leave None).
+Buckets are filled in the order backward produces gradients and all_reduced asynchronously, in
+bucket order on every rank, round-robin over ``comm_groups`` communicators. Design and behaviour
+(unused parameters, accumulation, compression, buffers): docs/grad_sync.md.
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ def test_tiny_run_on_two_gloo_ranks(tmp_path):
     assert steps["distlib-eager:g2"]["images_per_s"] > 0 and steps["distlib-eager:g2"]["extra"]["comm_groups"] == 2
     assert "CUDA graphs need a GPU" in steps["distlib-graph:g2"]["note"]
     assert steps["single-eager"]["world"] == 1
-    assert steps["fallback"]["note"]  # the slot for issue 4's mode: one process for all GPUs
+    assert steps["fallback"]["note"]  # the slot for the fallback mode: one process for all GPUs
     ar = res["allreduce"]
     assert [r["bytes"] for r in ar["rows"]] == [65536, 262144]
     assert [r["buckets"] for r in ar["rows"]] == [3, 6]  # 0.01 MB, then 0.05 MB each

@@ -1,5 +1,5 @@
 """End to end on the CPU: resume after a killed worker, SIGTERM/SIGINT, a stalled rank,
-two torchrun "nodes", and every bad input of the README's table.
+two torchrun "nodes", and every bad input of the table in docs/reliability.md.
 
 The torchrun runs train the demo's small CNN (width 8) on 2,048 images for 3
 epochs: 16 steps an epoch on 2 gloo ranks on the CPU, also on a GPU machine
@@ -337,7 +337,7 @@ def small_imagefolder(root, corrupt: str = "") -> str:
     return bad
 
 
-# The exit code of each situation in the README's table (rows found by the start of their first cell).
+# The exit code of each situation in docs/reliability.md's table (rows found by the start of their first cell).
 CASES = {
     "malformed YAML": 2,
     "unknown config key": 2,
@@ -351,7 +351,7 @@ CASES = {
     "no readable checkpoint": 2,
     "corrupt newest checkpoint": 0,
 }
-# The codes the torchrun and signal tests above check, as the README's table words them.
+# The codes the torchrun and signal tests above check, as docs/reliability.md's table words them.
 RUNTIME = {
     "port in use, `torchrun --master-port": "1 (torchrun)",
     "a rank killed, under `torchrun --max-restarts": "0",
@@ -447,9 +447,9 @@ def test_corrupt_checkpoints(tmp_path, distlib_log):
     assert any("none of the 2 checkpoint(s) in" in m and "is usable" in m for m in distlib_log)
 
 
-def test_the_readme_table_matches_these_tests():
-    text = open(os.path.join(ROOT, "README.md")).read()
-    section = text.split("## Reliability and errors", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_table_matches_these_tests():
+    text = open(os.path.join(ROOT, "docs", "reliability.md")).read()
+    section = text.split("## What you see when something is wrong", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| Situation")]
     codes = {}
     for row in rows:
@@ -460,7 +460,7 @@ def test_the_readme_table_matches_these_tests():
     expected = {**{k: str(v) for k, v in CASES.items()}, **RUNTIME}
     for case, code in expected.items():
         matching = [k for k in codes if k.lower().startswith(case.lower())]
-        assert len(matching) == 1, f"README's table has {len(matching)} rows for {case!r}"
+        assert len(matching) == 1, f"docs/reliability.md's table has {len(matching)} rows for {case!r}"
         assert codes[matching[0]] == code, (case, codes[matching[0]])
     assert len(codes) == len(expected), f"rows no test checks: {set(codes) - set(expected)}"
 
