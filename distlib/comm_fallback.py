@@ -41,11 +41,11 @@ import torch.distributed as dist
 from torch import nn
 
 from distlib import collectives
-from distlib.broadcast import broadcast_module
 from distlib.buckets import allreduce_buckets
 from distlib.flat_buffers import FlatBuffers
 from distlib.log import get_logger
 from distlib.model_check import check_same_model
+from distlib.state_broadcast import broadcast_module
 
 __all__ = ["Replicas", "allreduce_buckets", "node_devices"]  # allreduce_buckets lives in distlib.buckets
 

@@ -36,10 +36,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlib import buckets, collectives
-from distlib.broadcast import broadcast_module
+from distlib import collectives
+from distlib.buckets import group_tensors
 from distlib.flat_buffers import FlatBuffers
 from distlib.model_check import ModelMismatchError, check_same_model
+from distlib.state_broadcast import broadcast_module
 
 __all__ = ["GradSync", "ModelMismatchError"]  # ModelMismatchError lives in distlib.model_check
 
@@ -157,7 +158,7 @@ class GradSync:
         flat = FlatBuffers(params, params[0].device)
         self._storages = list(flat.flat.values())
         self.buckets = []
-        for group in buckets.group_tensors(params, self.bucket_bytes, self.first_bucket_bytes):
+        for group in group_tensors(params, self.bucket_bytes, self.first_bucket_bytes):
             span = flat.span(group[0], group[-1])
             comp = None
             if self.compress == "bf16" and span.dtype in (torch.float32, torch.float64):
