@@ -374,6 +374,13 @@ def bench_step(args: argparse.Namespace, ctx) -> list[StepResult]:
                 if ctx.world_size > 1:
                     raise BenchUnavailable("one process for all GPUs: `python -m bench.step step --modes fallback`")
                 res = fallback_step(args)
+            elif mode == "ddp-compile":
+                try:  # a compiler failure (no triton, an unsupported op) is this row's note, not fatal
+                    res = _run_mode(mode, args, ctx, groups)
+                except BenchUnavailable:
+                    raise
+                except Exception as e:
+                    raise BenchUnavailable(f"torch.compile failed: {type(e).__name__}: {str(e)[:200]}") from e
             else:
                 res = _run_mode(mode, args, ctx, groups)
         except BenchUnavailable as e:
