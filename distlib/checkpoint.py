@@ -108,9 +108,8 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
-    if "numpy" in state:
-        import numpy as np
-
+    np = sys.modules.get("numpy")  # loaded if anything here uses its RNG; never imported by the library
+    if "numpy" in state and np is not None:
         name, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
 
