@@ -38,11 +38,12 @@ import torch.distributed as dist
 from torch import nn
 
 from distlib import collectives
+from distlib.errors import DistlibError
 
 _MB = 2**20
 
 
-class ModelMismatchError(RuntimeError):
+class ModelMismatchError(DistlibError, RuntimeError):
     """The model's parameters or buffers differ between ranks (raised on every rank)."""
 
 
