@@ -75,3 +75,33 @@ def test_the_train_state_is_saved_typed_and_restored(tmp_path, world_size_1):
     os.unlink(out / "checkpoints" / "epoch0002-step000000.pt")
     resumed, _ = train(str(out), fit=False)
     assert resumed.state.state_dict() == saved  # the clocks continue from where they were
+
+
+def _launch(tmp_path) -> int:
+    import launch
+
+    return launch.main([os.path.join(ROOT, "recipes", "demo.yaml"), *SMALL, f"run.out_dir={tmp_path / 'out'}"])
+
+
+@pytest.mark.parametrize(
+    "raised, code, said",
+    [
+        (ValueError("a bug of ours"), None, None),  # not hidden as bad input: its traceback, exit 1
+        (RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer"), 1, "error: rank 0 lost the conn"),
+        (KeyboardInterrupt(), 130, "error: interrupted"),
+    ],
+)
+def test_launch_maps_the_outcome_to_one_exit_code_and_tears_down(
+    tmp_path, world_size_1, monkeypatch, capsys, raised, code, said
+):
+    closed = []
+    monkeypatch.setattr(Trainer, "build", lambda self: (_ for _ in ()).throw(raised))
+    monkeypatch.setattr(Trainer, "close", lambda self, error=None: closed.append(error))
+    if code is None:
+        with pytest.raises(type(raised)):
+            _launch(tmp_path)
+    else:
+        assert _launch(tmp_path) == code
+        err = capsys.readouterr().err
+        assert err.count("error: ") == 1 and said in err, err
+    assert closed == [raised]  # the one teardown, told what happened
