@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,8 @@ from distlib.cuda_graph import build_train_step
 from distlib.process_group import Context, EnvError
 from distlib.runner.config import Config, ConfigError
 from distlib.runner.warmup import warm_up
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class TrainStep:
@@ -60,7 +63,7 @@ class GradSyncStep(TrainStep):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         sync: distlib.GradSync,
-        loss_of,
+        loss_of: LossFn,  # (inputs, targets) -> mean loss, the model's forward inside
         *,
         grad_accum: int = 1,
         cuda_graph: bool = False,
@@ -101,7 +104,7 @@ class ReplicasStep(TrainStep):
         self,
         replicas: Replicas,
         optimizer: torch.optim.Optimizer,
-        loss_fn,
+        loss_fn: LossFn,  # (outputs, targets) -> mean loss of a shard
         *,
         autocast_dtype: torch.dtype | None,
         grad_accum: int = 1,
