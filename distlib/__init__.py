@@ -25,6 +25,7 @@ from distlib.collectives import (
 )
 from distlib.comm_fallback import Replicas
 from distlib.cuda_graph import CapturedStep, CaptureUnsupported
+from distlib.errors import DistlibError
 from distlib.grad_sync import GradSync
 from distlib.log import get_logger
 from distlib.model_check import ModelMismatchError
@@ -42,6 +43,7 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "Context",
+    "DistlibError",
     "EnvError",
     "ExactDistributedSampler",
     "GradSync",

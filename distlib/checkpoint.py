@@ -1,7 +1,7 @@
 """Checkpoints a resumed run can continue from exactly, written atomically by rank 0.
 
 One file per checkpoint (``<dir>/epoch0003-step000000.pt``): the objects' state_dicts, the
-position, per-rank RNG states and buffers gathered to rank 0, a fingerprint and a sha256 checksum;
+position, per-rank RNG states, buffers and ``RankStateful`` states gathered to rank 0, a fingerprint and a sha256 checksum;
 only tensors and plain containers, read with ``torch.load(weights_only=True)``. docs/reliability.md.
 """
 
@@ -16,12 +16,13 @@ import sys
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from distlib import collectives
+from distlib.errors import DistlibError
 from distlib.log import get_logger
 
 FORMAT = "distlib-checkpoint"
@@ -29,7 +30,7 @@ VERSION = 1
 _NAME = re.compile(r"^epoch(\d+)-step(\d+)\.pt$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(DistlibError, RuntimeError):
     """No usable checkpoint, a checkpoint from another model or config, or one that could not be written."""
 
 
@@ -37,6 +38,17 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any], /) -> Any: ...
+
+
+@runtime_checkable
+class RankStateful(Protocol):
+    """An object with state of its own on each rank besides the shared ``state_dict()``: its
+    ``rank_state_dict()`` is saved for every rank and given back to the same rank (when the
+    world size is unchanged)."""
+
+    def rank_state_dict(self) -> dict[str, Any]: ...
+
+    def load_rank_state_dict(self, state: dict[str, Any], /) -> Any: ...
 
 
 @dataclass
@@ -272,7 +284,8 @@ class Checkpointer:
     ) -> str | None:
         """Write a checkpoint at ``epoch`` completed epochs plus ``step`` steps.
 
-        ``extra`` is stored once (rank 0's); ``rank_extra`` per rank. A
+        Each object's ``state_dict()`` is stored once (rank 0's), and so is ``extra``; the
+        ``rank_state_dict()`` of ``RankStateful`` objects and ``rank_extra`` per rank. A
         collective (it gathers every rank's RNG state and ``rank_extra``):
         every rank must call it. Returns the path on rank 0, None elsewhere.
         Raises CheckpointError on every rank when rank 0 cannot write it.
@@ -280,7 +293,8 @@ class Checkpointer:
         buffers = {
             name: _to_cpu(dict(obj.named_buffers())) for name, obj in objects.items() if isinstance(obj, nn.Module)
         }
-        mine = {"rng": rng_state(), "buffers": buffers, "extra": _to_cpu(dict(rank_extra or {}))}
+        own = {name: _to_cpu(obj.rank_state_dict()) for name, obj in objects.items() if isinstance(obj, RankStateful)}
+        mine = {"rng": rng_state(), "buffers": buffers, "states": own, "extra": _to_cpu(dict(rank_extra or {}))}
         ranks = collectives.all_gather_object(mine)
         path = os.path.join(self.directory, f"epoch{epoch:04d}-step{step:06d}.pt")
         error = None
@@ -362,6 +376,12 @@ class Checkpointer:
         if len(ranks) == world:
             set_rng_state(ranks[rank]["rng"])
             mine = ranks[rank]["extra"]
+            own = ranks[rank].get("states", {})
+            for name, obj in objects.items():
+                if isinstance(obj, RankStateful):
+                    if name not in own:
+                        raise CheckpointError(f"checkpoint {path} has no per-rank state for {name}")
+                    obj.load_rank_state_dict(own[name])
             with torch.no_grad():
                 for name, obj in objects.items():
                     if isinstance(obj, nn.Module):

@@ -17,13 +17,14 @@ import torch.distributed as dist
 from torch import nn
 
 from distlib import collectives
+from distlib.errors import DistlibError
 from distlib.grad_sync import GradSync
 from distlib.log import get_logger
 
 _LIVE: weakref.WeakSet[CapturedStep] = weakref.WeakSet()
 
 
-class CaptureUnsupported(RuntimeError):
+class CaptureUnsupported(DistlibError, RuntimeError):
     """The step cannot be captured as a CUDA graph here (the reason is in the message)."""
 
 

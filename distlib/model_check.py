@@ -15,11 +15,12 @@ import torch.distributed as dist
 from torch import nn
 
 from distlib import collectives
+from distlib.errors import DistlibError
 
 Row = tuple[str, str, tuple[int, ...], str, bool]
 
 
-class ModelMismatchError(RuntimeError):
+class ModelMismatchError(DistlibError, RuntimeError):
     """The model's parameters or buffers differ between ranks (raised on every rank)."""
 
 

@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 
 from distlib import collectives
+from distlib.errors import DistlibError
 from distlib.log import get_logger, set_rank
 
 _ENV_REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-class EnvError(RuntimeError):
+class EnvError(DistlibError, RuntimeError):
     """The distributed environment is incomplete or contradictory."""
 
 

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import yaml
 
+from distlib.errors import DistlibError
+
 
 @dataclass
 class AugmentConfig:
@@ -103,7 +105,7 @@ class Config:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
-class ConfigError(ValueError):
+class ConfigError(DistlibError, ValueError):
     """All problems found in a recipe and its overrides, one per line."""
 
     def __init__(self, problems: list[str]):

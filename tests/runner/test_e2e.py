@@ -113,7 +113,7 @@ def eval_fixture() -> tuple[torch.nn.Module, DeviceLoader, torch.Tensor, torch.T
 
 
 def _exact_eval(ctx):
-    from launch import evaluate
+    from distlib.runner.evaluation import evaluate
 
     model, loader, x, y = eval_fixture()
     acc = evaluate(model, x, y, loader, ctx, torch.autocast("cpu", enabled=False), tta=False)
