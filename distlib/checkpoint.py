@@ -1,8 +1,9 @@
 """Checkpoints a resumed run can continue from exactly, written atomically by rank 0.
 
 One file per checkpoint (``<dir>/epoch0003-step000000.pt``): the objects' state_dicts, the
-position, per-rank RNG states, buffers and ``RankStateful`` states gathered to rank 0, a fingerprint and a sha256 checksum;
-only tensors and plain containers, read with ``torch.load(weights_only=True)``. docs/reliability.md.
+position, per-rank RNG states, buffers and ``RankStateful`` states gathered to rank 0, a
+fingerprint and a sha256 checksum; only tensors and plain containers, read with
+``torch.load(weights_only=True)``. docs/reliability.md.
 """
 
 from __future__ import annotations
