@@ -98,10 +98,19 @@ def _restart_safe_store(info: EnvInfo, timeout: datetime.timedelta) -> dist.Stor
     return dist.PrefixStore(f"distlib/attempt{attempt}", store)
 
 
-def _per_node_flag(launcher: str) -> str:
+def _gpu_index(info: EnvInfo, n_gpus: int, gpus_per_process: int, env: Mapping[str, str]) -> int:
+    """This process's GPU among those it sees: its local rank, or the first when srun gave each task its
+    own GPUs (``--gpus-per-task``: each task sees only its own)."""
+    if gpus_per_process > 1 or info.local_world_size <= n_gpus:
+        return info.local_rank
+    if info.launcher == "srun" and n_gpus >= 1 and "SLURM_GPUS_PER_TASK" in env:
+        return 0
     from distlib.launchers import PER_NODE_FLAG
 
-    return PER_NODE_FLAG.get(launcher, "--nproc-per-node")
+    raise EnvError(
+        f"{info.local_world_size} processes on this node but only {n_gpus} GPU(s) visible; "
+        f"start {n_gpus} or fewer per node ({PER_NODE_FLAG.get(info.launcher, '--nproc-per-node')})"
+    )
 
 
 _CONTEXT: Context | None = None
@@ -126,13 +135,7 @@ def init(backend: str = "auto", timeout_s: float = 300.0, *, gpus_per_process: i
         info = EnvInfo(rank=0, local_rank=0, world_size=1, local_world_size=1)
     set_rank(info.rank)
     if name == "nccl":
-        n_gpus = torch.cuda.device_count()
-        if gpus_per_process == 1 and info.local_world_size > n_gpus:
-            raise EnvError(
-                f"{info.local_world_size} processes on this node but only {n_gpus} GPU(s) visible; "
-                f"start {n_gpus} or fewer per node ({_per_node_flag(info.launcher)})"
-            )
-        device = torch.device("cuda", info.local_rank)
+        device = torch.device("cuda", _gpu_index(info, torch.cuda.device_count(), gpus_per_process, os.environ))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

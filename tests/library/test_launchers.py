@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from distlib.launchers import detect, expand_hostlist, expand_tasks_per_node, slurm_port
-from distlib.process_group import EnvError, EnvInfo
+from distlib.process_group import EnvError, EnvInfo, _gpu_index
 from tests.conftest import ROOT, free_port
 
 # ---- SLURM's compressed lists -----------------------------------------------------------------
@@ -261,6 +261,19 @@ def test_nothing_and_master_alone():
     assert detect({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "1"}) is None
     with pytest.raises(EnvError, match=r"MASTER_PORT present but RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR missing"):
         detect({"MASTER_PORT": "1"})
+
+
+def test_gpu_of_each_process():
+    info = detect(srun_env(5))  # local rank 1 of 4 tasks on its node
+    assert _gpu_index(info, 4, 1, {}) == 1
+    assert _gpu_index(info, 1, 1, {"SLURM_GPUS_PER_TASK": "1"}) == 0  # srun hid the other tasks' GPUs
+    with pytest.raises(EnvError, match=r"4 processes on this node but only 2 GPU\(s\) visible; start 2 or fewer per "):
+        _gpu_index(info, 2, 1, {})
+    with pytest.raises(EnvError, match=r"\(--ntasks-per-node\)"):
+        _gpu_index(info, 1, 1, {})
+    with pytest.raises(EnvError, match=r"\(--nproc-per-node\)"):
+        _gpu_index(detect(TORCHRUN_WORKER), 1, 1, {"SLURM_GPUS_PER_TASK": "1"})
+    assert _gpu_index(detect(TORCHRUN_WORKER), 1, 2, {}) == 1  # one process drives several GPUs: no check
 
 
 # ---- real two-process starts without torchrun -------------------------------------------------
