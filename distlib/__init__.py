@@ -1,6 +1,6 @@
 """distlib: distributed training for PyTorch, small enough to drop into an existing script.
 
-ctx = distlib.init()                       # torchrun's environment, or world size 1
+ctx = distlib.init()                       # torchrun, srun, mpirun or a PyTorchJob; or world size 1
 loader = distlib.distributed_loader(ds, batch_size=64)
 sync = distlib.GradSync(model)             # after loss.backward(): sync.wait()
 ...
