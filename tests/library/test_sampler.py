@@ -112,3 +112,16 @@ def test_dataloader_kwargs_pass_through_and_sampler_is_refused():
 def test_without_a_process_group_the_loader_sees_everything():
     loader = distlib.distributed_loader(dataset(10), batch_size=4, shuffle=False)
     assert indices(loader) == list(range(10))
+
+
+def test_exact_shuffle_follows_the_seed():
+    def orders(seed: int) -> list[list[int]]:
+        return [indices(loader) for loader in rank_loaders(30, 3, shuffle=True, exact=True, seed=seed)]
+
+    assert orders(0) != orders(1), "another seed must give another order"
+    assert orders(1) == orders(1), "the same seed must give the same order"
+    # the exact sampler deals the same permutation as DistributedSampler with that seed
+    perm = [None] * 30
+    for r, shard in enumerate(orders(7)):
+        perm[r::3] = shard
+    assert perm == torch.randperm(30, generator=torch.Generator().manual_seed(7)).tolist()
