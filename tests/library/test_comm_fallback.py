@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -227,6 +228,28 @@ def test_nodes_with_different_gpu_counts_fail_on_every_node():
         assert "same number of GPUs" in msg and "[2, 1]" in msg
 
 
+def _node0_buffers(ctx):
+    torch.manual_seed(ctx.rank)
+    model = bn_net()
+    bn = model[1]
+    with torch.no_grad():  # BatchNorm buffers are equal at init whatever the seed: make node 1's differ
+        bn.running_mean.uniform_()
+        bn.running_var.uniform_(1, 2)
+        bn.num_batches_tracked.fill_(3 + ctx.rank)
+    replicas = Replicas(model, ["cpu", "cpu"])
+    return [[b.tolist() for b in m.buffers()] for m in replicas.models], [p.tolist() for p in model.parameters()]
+
+
+def test_construction_takes_node0_buffers_on_every_replica():
+    out = run_ranks(_node0_buffers, 2)
+    node0 = out[0][0][0]
+    assert node0[2] == 3  # num_batches_tracked of node 0
+    for node, (buffers, params) in enumerate(out):
+        for replica in buffers:
+            assert replica == node0, (node, "buffers must be node 0's on every replica of every node")
+        assert params == out[0][1], node
+
+
 def _mismatch_rank(ctx):
     try:
         Replicas(bn_net(), ["cpu"] * (2 - ctx.rank))
@@ -265,6 +288,7 @@ def test_launch_fallback_mode_matches_default_mode(tmp_path):
     _warm_data_cache()
     base = _launch(tmp_path, "per_gpu")
     fb = _launch(tmp_path, "fallback", "dist.mode=fallback")
+    assert len(base) == len(fb) == 2  # both runs wrote every epoch
     for a, b in zip(base, fb):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
         assert b["test_acc"] == pytest.approx(a["test_acc"], abs=1e-3)
@@ -323,14 +347,35 @@ def test_two_torchrun_nodes_in_fallback_mode_match_two_processes(tmp_path):
         assert x["world_size"] == y["world_size"] == 2
 
 
-def test_benchmark_and_breakdown_run_on_cpu_replicas():
+def test_benchmark_and_breakdown_run_on_cpu_replicas(monkeypatch):
     from distlib.comm_fallback import benchmark_step, step_breakdown
 
     def net():
         return nn.Sequential(nn.Conv2d(3, 4, 3, stride=4), nn.Flatten(), nn.Linear(4 * 8 * 8, 10))
 
-    ips = benchmark_step(4, steps=2, warmup=1, devices=["cpu", "cpu"], cuda_graph=False, model_fn=net)
-    assert ips > 0
-    rows = step_breakdown(4, 2, devices=["cpu", "cpu"], cuda_graph=False, model_fn=net)
+    built: list[nn.Module] = []
+
+    def tracked():
+        built.append(net())
+        return built[-1]
+
+    steps: list[int] = []
+    original = Replicas.train_step
+
+    def counting(self, *args, **kwargs):
+        steps.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Replicas, "train_step", counting)
+    ips = benchmark_step(4, steps=2, warmup=1, devices=["cpu", "cpu"], cuda_graph=False, model_fn=tracked)
+    assert len(steps) == 3, "warm-up plus timed steps"
+    assert math.isfinite(ips) and ips > 0
+    torch.manual_seed(0)  # _bench_setup's seed: the same initial weights
+    fresh = net()
+    assert any(not torch.equal(p, q) for p, q in zip(built[0].parameters(), fresh.parameters())), "it must train"
+    steps.clear()
+    rows = step_breakdown(4, 2, devices=["cpu", "cpu"], cuda_graph=False, model_fn=tracked)
     assert {"broadcast_parameters", "scatter", "reduce_gradients", "step"} <= set(rows)
-    assert all(host >= 0 for host, _ in rows.values())
+    assert len(steps) == 3 + 2, "3 warm-up steps, then the whole step timed twice"
+    for phase, (host, done) in rows.items():
+        assert 0 <= host <= done, (phase, host, done)  # the launches return before every device has finished
