@@ -222,6 +222,15 @@ def test_bad_input_is_named():
     assert node_devices(torch.device("cpu"), 4) == [torch.device("cpu")]  # CPU: one replica per process
 
 
+def test_two_processes_on_a_gpu_node_are_refused():
+    # each would drive every GPU of the node; no GPU is touched before the refusal
+    with pytest.raises(
+        ValueError, match=r"2 processes run on this node; start one per node \(torchrun --nproc-per-node=1\)"
+    ):
+        node_devices(torch.device("cuda", 0), 2)
+    assert node_devices(torch.device("cpu"), 2) == [torch.device("cpu")]  # CPU nodes: one replica per process
+
+
 def test_nodes_with_different_gpu_counts_fail_on_every_node():
     out = run_ranks(_mismatch_rank, 2)
     for msg in out:

@@ -239,3 +239,15 @@ def test_demo_on_gpus_with_nccl(tmp_path, cache_dir):
     assert f"backend={expected_backend} device=cuda:0" in proc.stderr
     assert "still referenced after shutdown" not in proc.stderr
     assert rows[-1]["test_acc"] >= 0.30, rows[-1]
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.slow
+def test_fallback_mode_refuses_two_processes_on_a_gpu_node(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "launch.py", DEMO,
+           "dist.mode=fallback", "train.epochs=1", f"run.out_dir={tmp_path / 'out'}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]  # torchrun: a worker failed (each exits 2)
+    assert "start one per node (torchrun --nproc-per-node=1)" in proc.stderr
+    assert "exitcode: 2" in proc.stderr
