@@ -8,7 +8,9 @@ Every problem in a recipe and its overrides is collected and reported at once
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
+import math
 import os
 import re
 import typing
@@ -153,10 +155,16 @@ def _coerce(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _EXPONENT_FLOAT.match(value):
-            return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):  # YAML's true is no number
+            number = float(value)
+        elif isinstance(value, str) and _EXPONENT_FLOAT.match(value):
+            number = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+        if number is not None and math.isfinite(number):  # .nan and .inf would slip past every range check
+            return number
+        if number is not None:
+            problems.append(f"{path}: expected a finite float, got {value!r}")
+            return None
     elif tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -176,7 +184,9 @@ def _apply(obj: Any, data: Any, prefix: str, problems: list[str]) -> None:
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
-            problems.append(f"{path}: unknown key (valid keys here: {', '.join(names)})")
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(f"{path}: unknown key (valid keys here: {', '.join(names)}){hint}")
             continue
         tp = hints[key]
         if dataclasses.is_dataclass(tp):

@@ -187,3 +187,16 @@ def test_iterable_refuses_what_cannot_work():
         distlib.distributed_loader(Stream(4), batch_size=2, shuffle=True)
     with pytest.raises(ValueError, match=r"persistent_workers=True .* set_epoch would never reach the workers"):
         distlib.distributed_loader(Stream(4), batch_size=2, num_workers=1, persistent_workers=True)
+
+
+def test_exact_shuffle_follows_the_seed():
+    def orders(seed: int) -> list[list[int]]:
+        return [indices(loader) for loader in rank_loaders(30, 3, shuffle=True, exact=True, seed=seed)]
+
+    assert orders(0) != orders(1), "another seed must give another order"
+    assert orders(1) == orders(1), "the same seed must give the same order"
+    # the exact sampler deals the same permutation as DistributedSampler with that seed
+    perm = [None] * 30
+    for r, shard in enumerate(orders(7)):
+        perm[r::3] = shard
+    assert perm == torch.randperm(30, generator=torch.Generator().manual_seed(7)).tolist()

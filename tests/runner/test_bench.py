@@ -4,11 +4,13 @@ ranks through torchrun, and the fallback mode's harness on CPU replicas."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 from torch import nn
 
 from bench.step import MODES, bucket_bounds, parse_args
@@ -99,15 +101,35 @@ def test_tiny_run_on_two_gloo_ranks(tmp_path):
     assert res["environment"]["world_size"] == 2
 
 
-def test_fallback_benchmark_and_breakdown_run_on_cpu_replicas():
+def test_fallback_benchmark_and_breakdown_run_on_cpu_replicas(monkeypatch):
     from bench.fallback_bench import benchmark_step, step_breakdown
+    from distlib import Replicas
 
     def net():
         return nn.Sequential(nn.Conv2d(3, 4, 3, stride=4), nn.Flatten(), nn.Linear(4 * 8 * 8, 10))
 
-    ips = benchmark_step(4, steps=2, warmup=1, devices=["cpu", "cpu"], cuda_graph=False, model_fn=net)
-    assert ips > 0
-    rows = step_breakdown(4, 2, devices=["cpu", "cpu"], cuda_graph=False, model_fn=net)
+    built: list[nn.Module] = []
+
+    def tracked():
+        built.append(net())
+        return built[-1]
+
+    steps: list[int] = []
+    original = Replicas.train_step
+
+    def counting(self, *args, **kwargs):
+        steps.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Replicas, "train_step", counting)
+    ips = benchmark_step(4, steps=2, warmup=1, devices=["cpu", "cpu"], cuda_graph=False, model_fn=tracked)
+    assert len(steps) == 3, "warm-up plus timed steps"
+    assert math.isfinite(ips) and ips > 0
+    torch.manual_seed(0)  # the benchmark's seed: the same initial weights
+    fresh = net()
+    assert any(not torch.equal(p, q) for p, q in zip(built[0].parameters(), fresh.parameters())), "it must train"
+    rows = step_breakdown(4, 2, devices=["cpu", "cpu"], cuda_graph=False, model_fn=tracked)
     expected = {"broadcast_parameters", "scatter", "reduce_gradients", "step", "  forward_backward of GPU 0 alone"}
     assert expected <= set(rows)
-    assert all(host >= 0 for host, _ in rows.values())
+    for phase, (host, done) in rows.items():
+        assert 0 <= host <= done, (phase, host, done)  # the launches return before every device has finished
