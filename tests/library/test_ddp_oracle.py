@@ -9,6 +9,7 @@ case also returns its measured difference, printed with ``-s`` as a table.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -18,9 +19,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlib.grad_sync import GradSync
 from tests.conftest import run_ranks
-
-# DDP(broadcast_buffers=False) is deprecated in newer torch but is the setting that keeps buffers per rank
-pytestmark = pytest.mark.filterwarnings("ignore:`broadcast_buffers` is deprecated:FutureWarning")
 
 B = 4  # samples per rank and batch
 BOUND = 1e-6  # relative
@@ -114,6 +112,12 @@ def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return out
 
 
+def _ddp(model: nn.Module, kw: dict | None) -> DDP:
+    with warnings.catch_warnings():  # broadcast_buffers=False (buffers kept per rank) is deprecated in newer torch
+        warnings.simplefilter("ignore", FutureWarning)
+        return DDP(model, **(kw or {}))
+
+
 def _case(
     ctx,
     make,
@@ -139,7 +143,7 @@ def _case(
                 for t in list(model.parameters()) + list(model.buffers()):
                     t.add_(1)
         if mode == "ddp":
-            ddp = DDP(model, **(ddp_kw or {}))
+            ddp = _ddp(model, ddp_kw)
             fwd, sync, nosync = ddp, None, ddp.no_sync
         else:
             sync = GradSync(model, **(sync_kw or {}))
@@ -153,7 +157,7 @@ def _case(
         with joined:
             for step in range(n):
                 if on_step is not None and on_step(step, model, ctx.rank) and ddp is not None:
-                    ddp = DDP(model, **(ddp_kw or {}))  # DDP's way to follow a new set of trainable parameters
+                    ddp = _ddp(model, ddp_kw)  # DDP's way to follow a new set of trainable parameters
                     fwd, nosync = ddp, ddp.no_sync
                 x, y = _batch(step, ctx.rank, image)
                 m = B // accum
@@ -310,3 +314,11 @@ def _report(results: list[dict]) -> None:
     for rank, res in enumerate(results):
         for name, r in res.items():
             print(f"rank {rank} | {name} | {r['diff']:.3g}")
+
+
+def test_fallback_replicas_join_names_the_alternative():
+    from distlib.comm_fallback import Replicas
+
+    replicas = Replicas(MLP(), devices=["cpu", "cpu"])
+    with pytest.raises(NotImplementedError, match=r"GradSync\(model\)\.join\(\)"):
+        replicas.join()
