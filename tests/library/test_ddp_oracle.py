@@ -220,6 +220,11 @@ def _one_rank_branch(step, model, rank):
     return False
 
 
+def _first_steps_only(step, model, rank):
+    model.use_branch = step < 2
+    return False
+
+
 def _freeze_then_unfreeze(step, model, rank):
     if step == 2:
         model.fc2.requires_grad_(False)  # frozen mid-training: must stay where it is
@@ -242,7 +247,10 @@ def _unused(ctx) -> dict:
     out = {}
     for opt in ("sgd", "adamw"):
         label = "SGD(momentum=0.9)" if opt == "sgd" else "AdamW(weight_decay=0.1)"
-        out[f"unused on every rank, {label}"] = _case(ctx, lambda: MLP(unused=True), opt=opt, **unused)
+        # used in steps 0-1, then on no rank: momentum/Adam state exists, so a zero gradient would move it
+        out[f"used, then on no rank, {label}"] = _case(
+            ctx, lambda: MLP(branch=True, unused=True), opt=opt, on_step=_first_steps_only, **unused
+        )
         out[f"used on rank 0 only, {label}"] = _case(
             ctx, lambda: MLP(branch=True), opt=opt, on_step=_one_rank_branch, sync_kw=TINY, **unused
         )
@@ -284,7 +292,8 @@ def test_matches_ddp_unused_parameters_and_requires_grad_changes():
         for name, r in res.items():
             assert r["diff"] <= BOUND, (name, r["diff"])
             assert r["none_sync"] == r["none_ddp"], (name, r)
-        assert res["unused on every rank, SGD(momentum=0.9)"]["none_sync"] == ["unused.weight", "unused.bias"]
+        never = ["unused.weight", "unused.bias"]
+        assert res["used, then on no rank, SGD(momentum=0.9)"]["none_sync"] == never + ["branch.weight", "branch.bias"]
     for b in bf16:
         assert b["none"] and b["moved"] == 0.0, b
 
