@@ -130,6 +130,7 @@ def _case(
     clip: float | None = None,
     on_step=None,
     extra: int = 0,
+    extra_rank: int = 0,
     join: bool = False,
     perturb: bool = False,
 ) -> dict:
@@ -152,7 +153,7 @@ def _case(
         optim = _optimizer(opt, model)
         none_grads: list[str] = []
         image = getattr(model, "image", False)
-        n = steps + (extra if ctx.rank == 0 else 0)
+        n = steps + (extra if ctx.rank == extra_rank else 0)
         joined = (ddp.join() if ddp else sync.join()) if join else contextlib.nullcontext()
         with joined:
             for step in range(n):
@@ -302,8 +303,8 @@ def test_matches_ddp_unused_parameters_and_requires_grad_changes():
 def _uneven(ctx) -> dict:
     return {
         "join, rank 0 has 2 more batches": _case(ctx, MLP, join=True, extra=2),
-        "join, BatchNorm (broadcast_buffers=False), rank 0 has 1 more": _case(
-            ctx, lambda: MLP(bn=True), join=True, extra=1, ddp_kw={"broadcast_buffers": False}
+        "join, BatchNorm (broadcast_buffers=False), rank 1 has 1 more": _case(
+            ctx, lambda: MLP(bn=True), join=True, extra=1, extra_rank=1, ddp_kw={"broadcast_buffers": False}
         ),
         "join, many buckets, accumulation, rank 0 has 1 more": _case(
             ctx, MLP, join=True, extra=1, accum=2, ddp_kw={"bucket_cap_mb": 1e-4}, sync_kw=TINY
