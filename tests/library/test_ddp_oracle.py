@@ -112,10 +112,11 @@ def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return out
 
 
-def _ddp(model: nn.Module, kw: dict | None) -> DDP:
+def _ddp(model: nn.Module, kw: dict | None, device: torch.device) -> DDP:
+    ids = [device.index] if device.type == "cuda" else None
     with warnings.catch_warnings():  # broadcast_buffers=False (buffers kept per rank) is deprecated in newer torch
         warnings.simplefilter("ignore", FutureWarning)
-        return DDP(model, **(kw or {}))
+        return DDP(model, device_ids=ids, **(kw or {}))
 
 
 def _case(
@@ -138,13 +139,13 @@ def _case(
     runs = {}
     for mode in ("ddp", "sync"):
         torch.manual_seed(0)
-        model = make()
+        model = make().to(ctx.device)
         if perturb and ctx.rank == 1:  # another start on rank 1: construction must take rank 0's
             with torch.no_grad():
                 for t in list(model.parameters()) + list(model.buffers()):
                     t.add_(1)
         if mode == "ddp":
-            ddp = _ddp(model, ddp_kw)
+            ddp = _ddp(model, ddp_kw, ctx.device)
             fwd, sync, nosync = ddp, None, ddp.no_sync
         else:
             sync = GradSync(model, **(sync_kw or {}))
@@ -158,9 +159,9 @@ def _case(
         with joined:
             for step in range(n):
                 if on_step is not None and on_step(step, model, ctx.rank) and ddp is not None:
-                    ddp = _ddp(model, ddp_kw)  # DDP's way to follow a new set of trainable parameters
+                    ddp = _ddp(model, ddp_kw, ctx.device)  # DDP's way to follow a new set of trainable parameters
                     fwd, nosync = ddp, ddp.no_sync
-                x, y = _batch(step, ctx.rank, image)
+                x, y = (t.to(ctx.device) for t in _batch(step, ctx.rank, image))
                 m = B // accum
                 for k in range(accum):
                     cm = nosync() if k < accum - 1 else contextlib.nullcontext()
@@ -269,12 +270,12 @@ def _unused(ctx) -> dict:
     )
     # bf16 compression: the unused parameter still keeps grad None and stays put (AdamW decay aside)
     torch.manual_seed(0)
-    model = MLP(unused=True)
+    model = MLP(unused=True).to(ctx.device)
     before = model.unused.weight.detach().clone()
     sync = GradSync(model, compress="bf16")
     opt = _optimizer("sgd", model)
     for step in range(2):
-        x, y = _batch(step, ctx.rank, False)
+        x, y = (t.to(ctx.device) for t in _batch(step, ctx.rank, False))
         F.cross_entropy(model(x), y).backward()
         sync.wait()
         bf16_none = model.unused.weight.grad is None and model.fc1.weight.grad is not None
@@ -324,6 +325,27 @@ def _report(results: list[dict]) -> None:
     for rank, res in enumerate(results):
         for name, r in res.items():
             print(f"rank {rank} | {name} | {r['diff']:.3g}")
+
+
+def _on_gpus(ctx) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
+    out = {**_basic(ctx), **_unused(ctx), **_uneven(ctx)}
+    out.pop("bf16")
+    return out
+
+
+@pytest.mark.gpus(2)
+def test_matches_ddp_on_two_gpus_nccl():
+    """The same cases on NCCL (GradSync averages with ReduceOp.AVG there, DDP pre-divides): 1e-5 relative."""
+    results = run_ranks(_on_gpus, 2, backend="nccl", timeout=300)
+    _report(results)
+    for res in results:
+        for name, r in res.items():
+            assert r["built"] == 0.0, name
+            assert r["diff"] <= 1e-5, (name, r["diff"])
+            assert r["none_sync"] == r["none_ddp"], (name, r)
 
 
 def test_fallback_replicas_join_names_the_alternative():
