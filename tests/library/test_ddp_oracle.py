@@ -283,12 +283,35 @@ def _unused(ctx) -> dict:
         opt.zero_grad()
     out["bf16"] = {"none": bf16_none, "moved": (model.unused.weight - before).abs().max().item()}
     sync.close()
+    out["mismatch"] = _mismatched_freeze(ctx)
     return out
+
+
+def _mismatched_freeze(ctx) -> str:
+    """Rank 0 freezes fc2, rank 1 freezes out: each rank must raise, naming its parameter."""
+    torch.manual_seed(0)
+    model = MLP().to(ctx.device)
+    sync = GradSync(model)
+    message = ""
+    for step in range(2):
+        if step == 1:
+            (model.fc2 if ctx.rank == 0 else model.out).requires_grad_(False)
+        x, y = (t.to(ctx.device) for t in _batch(step, ctx.rank, False))
+        F.cross_entropy(model(x), y).backward()
+        try:
+            sync.wait()
+        except RuntimeError as e:
+            message = str(e)
+    sync.close()
+    return message
 
 
 def test_matches_ddp_unused_parameters_and_requires_grad_changes():
     results = run_ranks(_unused, 2)
     bf16 = [res.pop("bf16") for res in results]
+    mismatch = [res.pop("mismatch") for res in results]
+    assert "'fc2.weight' no longer requires grad on this rank but another rank" in mismatch[0], mismatch
+    assert "'out.weight' no longer requires grad on this rank but another rank" in mismatch[1], mismatch
     _report(results)
     for res in results:
         for name, r in res.items():
@@ -333,6 +356,7 @@ def _on_gpus(ctx) -> dict:
     torch.backends.cudnn.deterministic = True
     out = {**_basic(ctx), **_unused(ctx), **_uneven(ctx)}
     out.pop("bf16")
+    out.pop("mismatch")
     return out
 
 
