@@ -310,9 +310,9 @@ def test_matches_ddp_unused_parameters_and_requires_grad_changes():
     results = run_ranks(_unused, 2)
     bf16 = [res.pop("bf16") for res in results]
     mismatch = [res.pop("mismatch") for res in results]
+    _report(results)
     assert "'fc2.weight' no longer requires grad on this rank but another rank" in mismatch[0], mismatch
     assert "'out.weight' no longer requires grad on this rank but another rank" in mismatch[1], mismatch
-    _report(results)
     for res in results:
         for name, r in res.items():
             assert r["diff"] <= BOUND, (name, r["diff"])
