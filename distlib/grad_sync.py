@@ -145,6 +145,11 @@ class GradSync:
     buckets round-robin over ``n`` communicators (``collectives.comm_groups``, created once per
     process and shared by every GradSync) so that consecutive buckets' all_reduces overlap. At
     world size 1 nothing is done (and no group is created).
+
+    As DDP with ``find_unused_parameters=True``: a parameter no rank used in a step keeps its
+    ``.grad`` (None after ``opt.zero_grad()``), without an extra collective. ``requires_grad``
+    changed after construction is followed at the next ``wait()``. ``with sync.join():`` around
+    the training loop handles uneven inputs (ranks that run out of batches shadow the others).
     """
 
     def __init__(
@@ -419,13 +424,10 @@ class GradSync:
             return []
         buckets = list({id(s.bucket): s.bucket for s in unused}.values())
         marks = torch.cat([b.used for b in buckets]).tolist()
-        base, pos = {}, 0
-        for b in buckets:
-            base[id(b)] = pos
-            pos += len(b.slots)
+        where = {id(s): i for i, s in enumerate(s for b in buckets for s in b.slots)}  # slot -> its mark
         frozen = []
         for s in unused:
-            used_elsewhere = marks[base[id(s.bucket)] + s.bucket.slots.index(s)] != 0
+            used_elsewhere = marks[where[id(s)]] != 0
             if used_elsewhere and s.param.grad is not s.view:
                 s.param.grad = s.view  # the others' sum / world size
             if not s.param.requires_grad:
