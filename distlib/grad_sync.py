@@ -1,41 +1,16 @@
 """Gradient averaging over ranks: flat bucket buffers, all_reduce overlapped with backward.
 
-How it works:
-
-- The trainable parameters are laid out in flat buffers (one per dtype), in the order their
-  gradients arrive in backward: reverse registration order at first, rank 0's observed order
-  after the first synced step (rebuilt once, the same on every rank). The buffers are cut into
-  buckets: a small first one (``first_bucket_mb``) so that communication starts early, then
-  ``bucket_mb`` each.
-- After ``wait()`` every ``p.grad`` is a view into its bucket, with the parameter's own strides
-  (channels_last weights get channels_last gradient views, so fused/foreach optimizers keep
-  their fast path).
-- A post-accumulate-grad hook per parameter marks it ready. When a bucket is complete and every
-  earlier bucket has been launched (all ranks must issue collectives in the same order), its
-  asynchronous all_reduce is launched, overlapping the rest of backward. The division by the
-  world size is folded in: ReduceOp.AVG on NCCL, a pre-division on gloo (which has no AVG).
-- Collectives on one communicator run one after another, so a 25 MB bucket only reaches the
-  ~25 MB point of NCCL's bandwidth curve. With ``comm_groups=n`` bucket i goes to process group
-  i % n (each its own communicator and NCCL stream), so consecutive buckets' all_reduces run
-  concurrently. Each group still sees the same collectives in the same order on every rank.
-- Gradients that the backward produced as fresh tensors (after ``opt.zero_grad()``, which sets
-  them to None) are copied into the bucket with one multi-tensor copy per bucket; gradients that
-  are already bucket views were accumulated in place by autograd and need nothing.
-- A parameter that got no gradient in a step does not hang the job: ``wait()`` launches the
-  buckets that are still open, with zeros for missing gradients. Each bucket carries one "used"
-  mark per parameter after its gradients, reduced by the same all_reduce (no extra collective):
-  a parameter no rank used keeps its ``.grad`` untouched (None after ``opt.zero_grad()``), as DDP
-  with ``find_unused_parameters=True`` does; one used on some ranks gets their sum divided by
-  the world size. Only a step with a locally unused parameter reads the marks (one device sync).
-- ``requires_grad`` changed after construction (a layer frozen or unfrozen) is followed: at the
-  next ``wait()`` the ranks compare their trainable parameters (one collective, only then) and
-  rebuild the buckets. ``join()`` handles uneven inputs as DDP's join does.
+Buckets are filled in the order backward produces gradients and all_reduced asynchronously, in
+bucket order on every rank, round-robin over ``comm_groups`` communicators. Each bucket ends with
+one "used" mark per parameter, reduced by the same all_reduce: a parameter no rank used keeps its
+``.grad`` (None), as DDP with ``find_unused_parameters=True``. Design and behaviour (unused
+parameters, requires_grad changes, uneven inputs with ``join()``, accumulation, compression,
+buffers): docs/grad_sync.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Iterator
 from typing import Literal
 
@@ -44,6 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 from distlib import collectives
+from distlib.buckets import group_tensors
+from distlib.flat_buffers import FlatBuffers
+from distlib.model_check import ModelMismatchError, check_same_model
+from distlib.state_broadcast import broadcast_module
+
+__all__ = ["GradSync", "ModelMismatchError"]  # ModelMismatchError lives in distlib.model_check
 
 _MB = 2**20
 _ABORT = 1 << 20  # join(): announced by a rank that stops (more than any number of active ranks)
@@ -51,10 +32,6 @@ _ABORT = 1 << 20  # join(): announced by a rank that stops (more than any number
 
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-class ModelMismatchError(RuntimeError):
-    """The model's parameters or buffers differ between ranks (raised on every rank)."""
 
 
 class _Slot:
@@ -82,51 +59,6 @@ class _Bucket:
         self.comp = comp  # bf16 copy that travels instead of flat (compression), or None
         self.pending = len(slots)
         self.work: dist.Work | None = None
-
-
-def _is_dense(t: torch.Tensor) -> bool:
-    """True when ``t``'s strides are a permutation of a contiguous layout (channels_last included)."""
-    expected = 1
-    for stride, size in sorted(zip(t.stride(), t.shape)):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _describe(model: nn.Module) -> list[tuple[str, str, tuple[int, ...], str, bool]]:
-    """(kind, name, shape, dtype, requires_grad) of every parameter and buffer, in order."""
-    rows = [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
-    rows += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in model.named_buffers()]
-    return rows
-
-
-def _diff(reference: list, mine: list, rank: int, limit: int = 8) -> list[str]:
-    """Readable differences between rank 0's description and ``rank``'s."""
-    ref = {(k, n): (s, d, g) for k, n, s, d, g in reference}
-    own = {(k, n): (s, d, g) for k, n, s, d, g in mine}
-    out = []
-    for key in own.keys() - ref.keys():
-        out.append(f"rank {rank}: {key[0]} {key[1]!r} {own[key][0]} does not exist on rank 0")
-    for key in ref.keys() - own.keys():
-        out.append(f"rank {rank}: {key[0]} {key[1]!r} {ref[key][0]} of rank 0 is missing")
-    for key in ref.keys() & own.keys():
-        (s0, d0, g0), (s1, d1, g1) = ref[key], own[key]
-        if s0 != s1:
-            out.append(f"rank {rank}: {key[0]} {key[1]!r} has shape {s1}, rank 0 has {s0}")
-        if d0 != d1:
-            out.append(f"rank {rank}: {key[0]} {key[1]!r} has dtype {d1}, rank 0 has {d0}")
-        if g0 != g1:
-            out.append(f"rank {rank}: {key[0]} {key[1]!r} has requires_grad={g1}, rank 0 has {g0}")
-    if not out:  # same entries, another order
-        for i, (a, b) in enumerate(zip(reference, mine)):
-            if a != b:
-                out.append(f"rank {rank}: registration order differs at position {i}: {b[1]!r}, rank 0 has {a[1]!r}")
-                break
-    out.sort()
-    return out[:limit] + ([f"rank {rank}: ... and {len(out) - limit} more"] if len(out) > limit else [])
 
 
 class GradSync:
@@ -211,84 +143,40 @@ class GradSync:
     # ---- construction ----------------------------------------------------------------
     def _preflight(self) -> None:
         """Every rank compares a hash of its model's description with the others'."""
-        desc = _describe(self.model)
-        digest = hashlib.sha256(repr(desc).encode()).hexdigest()
-        digests = collectives.all_gather_object(digest)
-        if len(set(digests)) == 1:
-            return
-        descs = collectives.all_gather_object(desc)  # every rank knows of the mismatch: a consistent second call
-        lines = []
-        for r in range(1, len(descs)):
-            if digests[r] != digests[0]:
-                lines += _diff(descs[0], descs[r], r)
-        raise ModelMismatchError(
-            "GradSync: the model differs between ranks (every rank must build the same model):\n  " + "\n  ".join(lines)
-        )
+        check_same_model(self.model, "GradSync")
 
-    @torch.no_grad()
-    def _broadcast_state(self, chunk_bytes: int = 64 * _MB) -> None:
-        """Rank 0's parameters and buffers to every rank, coalesced per dtype into few broadcasts."""
-        tensors = [p.detach() for p in self.model.parameters()] + [b.detach() for b in self.model.buffers()]
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for t in tensors:
-            groups.setdefault((t.device, t.dtype), []).append(t)
-        for group in groups.values():
-            chunk: list[torch.Tensor] = []
-            size = 0
-            for t in group + [None]:
-                if t is not None and (not chunk or size + t.numel() * t.element_size() <= chunk_bytes):
-                    chunk.append(t)
-                    size += t.numel() * t.element_size()
-                    continue
-                flat = torch.cat([c.reshape(-1) for c in chunk])
-                dist.broadcast(flat, src=0)
-                if dist.get_rank() != 0:
-                    for c, part in zip(chunk, flat.split([c.numel() for c in chunk])):
-                        c.copy_(part.view(c.shape))
-                if t is not None:
-                    chunk, size = [t], t.numel() * t.element_size()
+    def _broadcast_state(self) -> None:
+        """Rank 0's parameters and buffers to every rank."""
+        broadcast_module(self.model)
 
     def _layout(self, order: list[int]) -> None:
         """Flat storages and buckets for the trainable parameters in ``order`` (registration indices)."""
         slots = [self._slots[i] for i in order]
-        groups: list[list[_Slot]] = []
-        size = 0
-        for s in slots:
-            nbytes = s.param.numel() * s.param.element_size()
-            cap = self.first_bucket_bytes if len(groups) == 1 else self.bucket_bytes
-            if groups and groups[-1][0].param.dtype == s.param.dtype and size + nbytes <= cap:
-                groups[-1].append(s)
-                size += nbytes
-            else:
-                groups.append([s])
-                size = nbytes
-        totals: dict[torch.dtype, int] = {}
-        for g in groups:
-            # + one "used" mark per parameter, reduced with the gradients (unused parameters)
-            totals[g[0].param.dtype] = totals.get(g[0].param.dtype, 0) + sum(s.param.numel() for s in g) + len(g)
-        device = self.params[0].device
-        storages = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in totals.items()}
-        self._storages = list(storages.values())
-        offsets = dict.fromkeys(totals, 0)
+        params = [s.param for s in slots]
+        groups = group_tensors(params, self.bucket_bytes, self.first_bucket_bytes)
+        # each bucket's gradients, then its used marks (one element per parameter, same dtype):
+        # one contiguous span, one all_reduce
+        tensors: list[torch.Tensor] = []
+        at: dict[int, int] = {}  # parameter index -> its index in tensors
+        marks_at = []
+        for group in groups:
+            for i in group:
+                at[i] = len(tensors)
+                tensors.append(params[i])
+            marks_at.append(len(tensors))
+            tensors.append(torch.empty(len(group), dtype=params[group[0]].dtype, device="meta"))
+        flat = FlatBuffers(tensors, params[0].device)
+        self._storages = list(flat.flat.values())
         self.buckets = []
-        for g in groups:
-            dt = g[0].param.dtype
-            start = offsets[dt]
-            for s in g:
-                p = s.param
-                if p.is_contiguous() or not _is_dense(p):
-                    s.view = storages[dt][offsets[dt] : offsets[dt] + p.numel()].view(p.shape)
-                else:
-                    s.view = storages[dt].as_strided(p.shape, p.stride(), offsets[dt])
-                offsets[dt] += p.numel()
-            offsets[dt] += len(g)  # the used marks
-            flat = storages[dt][start : offsets[dt]]
+        for group, marks in zip(groups, marks_at):
+            span = flat.span(at[group[0]], marks)
             comp = None
-            if self.compress == "bf16" and dt in (torch.float32, torch.float64):
-                comp = torch.empty(flat.numel(), dtype=torch.bfloat16, device=device)
-            bucket = _Bucket(len(self.buckets), g, flat, comp)
-            for s in g:
-                s.bucket = bucket
+            if self.compress == "bf16" and span.dtype in (torch.float32, torch.float64):
+                comp = torch.empty(span.numel(), dtype=torch.bfloat16, device=span.device)
+            bucket = _Bucket(len(self.buckets), [slots[i] for i in group], span, comp)
+            for i in group:
+                slots[i].view = flat.views[at[i]]
+                slots[i].bucket = bucket
             self.buckets.append(bucket)
 
     def _hook_for(self, index: int):

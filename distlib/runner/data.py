@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from distlib.errors import DistlibError
 
-class DataError(RuntimeError):
+
+class DataError(DistlibError, RuntimeError):
     """The data set is missing, unreadable or inconsistent."""
 
 

@@ -321,16 +321,3 @@ def test_two_torchrun_nodes_in_fallback_mode_match_two_processes(tmp_path):
     for x, y in zip(a, b):
         assert x["train_loss"] == pytest.approx(y["train_loss"], rel=1e-4)
         assert x["world_size"] == y["world_size"] == 2
-
-
-def test_benchmark_and_breakdown_run_on_cpu_replicas():
-    from distlib.comm_fallback import benchmark_step, step_breakdown
-
-    def net():
-        return nn.Sequential(nn.Conv2d(3, 4, 3, stride=4), nn.Flatten(), nn.Linear(4 * 8 * 8, 10))
-
-    ips = benchmark_step(4, steps=2, warmup=1, devices=["cpu", "cpu"], cuda_graph=False, model_fn=net)
-    assert ips > 0
-    rows = step_breakdown(4, 2, devices=["cpu", "cpu"], cuda_graph=False, model_fn=net)
-    assert {"broadcast_parameters", "scatter", "reduce_gradients", "step"} <= set(rows)
-    assert all(host >= 0 for host, _ in rows.values())

@@ -1,4 +1,5 @@
-"""python -m distlib.bench: the CLI, and a tiny run on two gloo ranks through torchrun."""
+"""The benchmarks in bench/ (not part of the library): bench.step's CLI and a tiny run on two gloo
+ranks through torchrun, and the fallback mode's harness on CPU replicas."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import subprocess
 import sys
 
 import pytest
+from torch import nn
 
-from distlib.bench import MODES, bucket_bounds, parse_args
+from bench.step import MODES, bucket_bounds, parse_args
 from tests.conftest import ROOT
 
 
 def test_help_lists_the_subcommands():
-    out = subprocess.run([sys.executable, "-m", "distlib.bench", "--help"], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "bench/step.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     for word in ("allreduce", "step", "all", "bus bandwidth"):
         assert word in out.stdout
@@ -48,7 +50,7 @@ def test_tiny_run_on_two_gloo_ranks(tmp_path):
         "--standalone",
         "--nproc-per-node=2",
         "-m",
-        "distlib.bench",
+        "bench.step",
         "all",
         "--device=cpu",
         "--sizes-mb=0.0625,0.25",
@@ -60,7 +62,7 @@ def test_tiny_run_on_two_gloo_ranks(tmp_path):
         "--image-size=16",
         "--steps=2",
         "--warmup=1",
-        "--modes=single-eager,ddp-eager,distlib-eager,distlib-graph,fallback",
+        "--modes=single-eager,ddp-eager,ddp-compile,distlib-eager,distlib-graph,fallback",
         "--bucket-mb=0.05",  # several buckets, so that they go to several communicators
         "--first-bucket-mb=0.01",
         "--groups=1,2",
@@ -85,8 +87,9 @@ def test_tiny_run_on_two_gloo_ranks(tmp_path):
     assert steps["distlib-eager"]["world"] == 2 and steps["distlib-eager"]["images_per_s"] > 0
     assert steps["distlib-eager:g2"]["images_per_s"] > 0 and steps["distlib-eager:g2"]["extra"]["comm_groups"] == 2
     assert "CUDA graphs need a GPU" in steps["distlib-graph:g2"]["note"]
+    assert "CUDA graphs need a GPU" in steps["ddp-compile"]["note"]
     assert steps["single-eager"]["world"] == 1
-    assert steps["fallback"]["note"]  # the slot for issue 4's mode: one process for all GPUs
+    assert steps["fallback"]["note"]  # the slot for the fallback mode: one process for all GPUs
     ar = res["allreduce"]
     assert [r["bytes"] for r in ar["rows"]] == [65536, 262144]
     assert [r["buckets"] for r in ar["rows"]] == [3, 6]  # 0.01 MB, then 0.05 MB each
@@ -94,3 +97,17 @@ def test_tiny_run_on_two_gloo_ranks(tmp_path):
         assert [b["groups"] for b in r["bucketed"]] == [1, 2] and all(b["busbw"] > 0 for b in r["bucketed"])
     assert [m["groups"] for m in ar["model_sync"]] == [1, 2] and all(m["sync_ms"] > 0 for m in ar["model_sync"])
     assert res["environment"]["world_size"] == 2
+
+
+def test_fallback_benchmark_and_breakdown_run_on_cpu_replicas():
+    from bench.fallback_bench import benchmark_step, step_breakdown
+
+    def net():
+        return nn.Sequential(nn.Conv2d(3, 4, 3, stride=4), nn.Flatten(), nn.Linear(4 * 8 * 8, 10))
+
+    ips = benchmark_step(4, steps=2, warmup=1, devices=["cpu", "cpu"], cuda_graph=False, model_fn=net)
+    assert ips > 0
+    rows = step_breakdown(4, 2, devices=["cpu", "cpu"], cuda_graph=False, model_fn=net)
+    expected = {"broadcast_parameters", "scatter", "reduce_gradients", "step", "  forward_backward of GPU 0 alone"}
+    assert expected <= set(rows)
+    assert all(host >= 0 for host, _ in rows.values())

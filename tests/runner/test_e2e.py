@@ -87,7 +87,7 @@ def test_world_size_1_with_python(tmp_path, cache_dir):
 
 @pytest.mark.slow
 def test_demo_recipe_reaches_30_percent(tmp_path, cache_dir):
-    """The issue's acceptance: the default demo, two processes, well above chance (10%)."""
+    """What `make demo` promises: the default demo, two processes, well above chance (10%)."""
     out = tmp_path / "demo"
     launch([DEMO, f"run.out_dir={out}", f"data.cache_dir={cache_dir}"], nproc=2)
     config, rows = read_run(out)
@@ -113,7 +113,7 @@ def eval_fixture() -> tuple[torch.nn.Module, DeviceLoader, torch.Tensor, torch.T
 
 
 def _exact_eval(ctx):
-    from launch import evaluate
+    from distlib.runner.evaluation import evaluate
 
     model, loader, x, y = eval_fixture()
     acc = evaluate(model, x, y, loader, ctx, torch.autocast("cpu", enabled=False), tta=False)
