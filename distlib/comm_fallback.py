@@ -254,6 +254,18 @@ class Replicas:
                 allreduce_buckets(summed, self.bucket_mb, self.group)
                 torch.div(summed, self.total_devices, out=root_flat)
 
+    def join(self) -> None:
+        """Uneven inputs are not supported here: raises NotImplementedError.
+
+        Give every node the same number of batches instead (``distlib.sampler.distributed_loader`` with
+        ``drop_last=True``), or use ``GradSync.join()`` with one process per GPU.
+        """
+        raise NotImplementedError(
+            "Replicas.join(): uneven inputs are not supported by the single-process fallback; give every "
+            "node the same number of batches (distributed_loader(..., drop_last=True)) or use GradSync(model).join() "
+            "with one process per GPU"
+        )
+
     def sync_buffers(self) -> None:
         """Average floating-point buffers (BatchNorm running statistics) over every GPU of
         every node and give the result to every replica; other buffers (such as
