@@ -21,7 +21,7 @@ help:
 	@echo "make test                        ruff check + the whole test suite"
 	@echo "make train RECIPE=... ARGS=...   torchrun --nproc-per-node=\$$NPROC launch.py RECIPE ARGS"
 	@echo "make lint | format               ruff check and format check | format in place"
-	@echo "make reference                   regenerate the config reference in README.md"
+	@echo "make reference                   regenerate docs/configuration.md from the config dataclasses"
 	@echo "make clean                       remove the environment, runs/ and caches"
 
 setup: $(STAMP)
@@ -29,7 +29,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install $(TORCH_PKGS)
-	$(BIN)/python -m pip install -e '.[test]'
+	$(BIN)/python -m pip install -e '.[runner,test]'
+	@# the PyPI name distlib is also pypa's (virtualenv needs it): this install replaces it, pip check says so
+	$(BIN)/python -m pip check
 	@touch $@
 
 demo: $(STAMP)
@@ -53,7 +55,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 reference: $(STAMP)
-	$(BIN)/python -m distlib.runner.config --update-readme README.md
+	$(BIN)/python -m distlib.runner.config --write-docs docs/configuration.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache build *.egg-info

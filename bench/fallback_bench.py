@@ -1,16 +1,18 @@
 """The fallback mode against nn.DataParallel and DDP, in one call on one multi-GPU node.
 
 ResNet18-CIFAR, bf16 autocast, channels_last, synthetic data on the GPU, SGD; 512 images per
-GPU by default. nn.DataParallel, DDP eager and one GPU eager come from the anchor script
-(anchor/rn18_throughput.py, run as subprocesses); the fallback mode (eager, and with
+GPU by default. nn.DataParallel, DDP eager and one GPU eager come from the baseline script
+(bench/baselines/rn18_throughput.py, run as subprocesses); the fallback mode (eager, and with
 per-replica CUDA graphs) runs in this process, followed by where a fallback step's time goes.
 
-    python bench/fallback_bench.py --anchor .bench/anchor [--batch 512] [--json out.json]
+    python bench/fallback_bench.py [--anchor bench/baselines] [--batch 512] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import json
 import os
 import re
@@ -18,15 +20,177 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
-from distlib.comm_fallback import benchmark_step, step_breakdown  # noqa: E402
+from distlib import Replicas  # noqa: E402
 
 _RESULT = re.compile(r"RESULT .*step_ms=([\d.]+) images_per_s=([\d.]+)")
+
+
+# ---- the fallback mode's step, timed through Replicas' public API ---------------------------
+
+
+def _sync(devices: Sequence[torch.device]) -> None:
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+def _bench_setup(per_gpu_batch, devices, cuda_graph, bf16, channels_last, model_fn, seed=0):
+    from distlib.runner.models import resnet18_cifar
+
+    devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if devices is None else list(devices)
+    if not devices:
+        raise ValueError("benchmark_step needs at least one device (no GPU is visible)")
+    root = torch.device("cuda", devices[0]) if isinstance(devices[0], int) else torch.device(devices[0])
+    torch.manual_seed(seed)
+    if root.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model = (model_fn or resnet18_cifar)().to(root).to(memory_format=fmt)
+    replicas = Replicas(model, devices, cuda_graph=cuda_graph)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    n = per_gpu_batch * replicas.num_devices
+    x = torch.randn(n, 3, 32, 32, device=root).contiguous(memory_format=fmt)
+    y = torch.randint(0, 10, (n,), device=root)
+    ce = nn.CrossEntropyLoss(label_smoothing=0.2)
+
+    def loss_fn(out, t):
+        return ce(out.float(), t)
+
+    dtype = torch.bfloat16 if bf16 and root.type == "cuda" else None
+    return replicas, opt, x, y, loss_fn, dtype
+
+
+def benchmark_step(
+    per_gpu_batch: int = 512,
+    steps: int = 40,
+    warmup: int = 10,
+    *,
+    devices: Sequence[torch.device | str | int] | None = None,
+    cuda_graph: bool = True,
+    bf16: bool = True,
+    channels_last: bool = True,
+    model_fn: Callable[[], nn.Module] | None = None,
+) -> float:
+    """Training images/s of the fallback mode on one node: ResNet18-CIFAR (or ``model_fn()``),
+    synthetic data on the root GPU, SGD on the root, ``per_gpu_batch`` images per GPU.
+
+    ``devices=None``: every visible GPU. Timed from the first to the last of ``steps``
+    steps after ``warmup`` untimed ones (which include the graph capture).
+    """
+    replicas, opt, x, y, loss_fn, dtype = _bench_setup(
+        per_gpu_batch, devices, cuda_graph, bf16, channels_last, model_fn
+    )
+
+    def step():
+        replicas.train_step(x, y, loss_fn, autocast_dtype=dtype)
+        opt.step()
+
+    for _ in range(warmup):
+        step()
+    _sync(replicas.devices)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(replicas.devices)
+    return x.shape[0] * steps / (time.perf_counter() - t0)
+
+
+def _forward_alone(replicas: Replicas, i: int, x: torch.Tensor, y: torch.Tensor, loss_fn, dtype) -> torch.Tensor:
+    """Replica ``i``'s forward and loss, as Replicas runs it (its GPU current, autocast)."""
+    d = replicas.devices[i]
+    guard = torch.cuda.device(d) if d.type == "cuda" else contextlib.nullcontext()
+    with guard, torch.autocast(d.type, dtype=dtype, enabled=dtype is not None):
+        return loss_fn(replicas.models[i](x), y)
+
+
+def step_breakdown(
+    per_gpu_batch: int = 512,
+    iters: int = 10,
+    *,
+    devices: Sequence[torch.device | str | int] | None = None,
+    cuda_graph: bool = True,
+    bf16: bool = True,
+    channels_last: bool = True,
+    model_fn: Callable[[], nn.Module] | None = None,
+) -> dict[str, tuple[float, float]]:
+    """Where a fallback step's time goes: each phase run alone, ``iters`` times, with the
+    GPUs synchronized before and after. Returns ``{phase: (host_ms, done_ms)}``: host_ms is
+    the time until the call returns (the launches), done_ms until every GPU has finished.
+    When host_ms ≈ done_ms the phase is bound by the host's launches, not by the GPUs.
+    ``step`` is a whole step (train_step + optimizer) without synchronization inside.
+    """
+    replicas, opt, x, y, loss_fn, dtype = _bench_setup(
+        per_gpu_batch, devices, cuda_graph, bf16, channels_last, model_fn
+    )
+    devs = replicas.devices
+    for _ in range(3):  # warm-up, and the graph capture
+        replicas.train_step(x, y, loss_fn, autocast_dtype=dtype)
+        opt.step()
+    xs, ys = replicas.scatter(x), replicas.scatter(y)
+
+    def timed(fn) -> tuple[float, float]:
+        host = done = 0.0
+        for _ in range(iters):
+            _sync(devs)
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            _sync(devs)
+            t2 = time.perf_counter()
+            host += t1 - t0
+            done += t2 - t0
+        return host / iters * 1e3, done / iters * 1e3
+
+    out: dict[str, tuple[float, float]] = {}
+    out["broadcast_parameters"] = timed(replicas.broadcast_parameters)
+    out["scatter"] = timed(lambda: (replicas.scatter(x), replicas.scatter(y)))
+    out["forward_backward (all GPUs)"] = timed(lambda: replicas.forward_backward(xs, ys, loss_fn, autocast_dtype=dtype))
+
+    # the same work on GPU 0 alone (how well do the GPUs overlap?): a one-GPU Replicas of a copy
+    solo = Replicas(copy.deepcopy(replicas.root), [devs[0]], cuda_graph=replicas.cuda_graph)
+    solo.forward_backward(xs[:1], ys[:1], loss_fn, autocast_dtype=dtype)  # its capture, untimed
+    out["  forward_backward of GPU 0 alone"] = timed(
+        lambda: solo.forward_backward(xs[:1], ys[:1], loss_fn, autocast_dtype=dtype)
+    )
+    if not replicas.cuda_graph:
+        n = replicas.num_devices
+
+        def forwards():
+            return [_forward_alone(replicas, i, xs[i], ys[i], loss_fn, dtype) for i in range(n)]
+
+        for i in range(n):
+            out[f"  forward of replica {i} alone"] = timed(
+                lambda i=i: _forward_alone(replicas, i, xs[i], ys[i], loss_fn, dtype)
+            )
+        out[f"  forward of all {n}, issued from one thread"] = timed(forwards)
+        host = done = 0.0
+        for _ in range(iters):  # backward alone: the forward is done and synchronized first
+            losses = forwards()
+            _sync(devs)
+            t0 = time.perf_counter()
+            torch.autograd.backward(losses)
+            t1 = time.perf_counter()
+            _sync(devs)
+            host += t1 - t0
+            done += time.perf_counter() - t0
+        out[f"  backward of all {n} (one call; a worker thread per GPU)"] = (host / iters * 1e3, done / iters * 1e3)
+    out["reduce_gradients"] = timed(replicas.reduce_gradients)
+    out["optimizer step (root)"] = timed(opt.step)
+
+    def step():
+        replicas.train_step(x, y, loss_fn, autocast_dtype=dtype)
+        opt.step()
+
+    out["step"] = timed(step)
+    return out
 
 
 def run_anchor(anchor: str, mode: str, batch: int, nproc: int = 0, steps: int = 40, warm: int = 10) -> dict | None:
@@ -47,7 +211,7 @@ def run_anchor(anchor: str, mode: str, batch: int, nproc: int = 0, steps: int = 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--anchor", default=os.path.join(ROOT, ".bench", "anchor"), help="folder of rn18_throughput.py")
+    p.add_argument("--anchor", default=os.path.join(ROOT, "bench", "baselines"), help="folder of rn18_throughput.py")
     p.add_argument("--batch", type=int, default=512, help="images per GPU")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument(

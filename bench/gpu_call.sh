@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on the 2-GPU machine: issue 3 (bench/gpu_gradsync.sh), issue 4 (fallback tests
+# One session on the 2-GPU machine: GradSync (bench/gpu_gradsync.sh), the fallback mode (tests
 # and bench/fallback_bench.py), the other GPU tests, and one graph-mode CIFAR run. Every part has
 # its own time limit; all logs are packed into $OUT/logs.tgz, a summary is printed last.
 set -u
@@ -13,9 +13,9 @@ for p in $PARTS; do
   case $p in
     gradsync) TAIL=0 bash bench/gpu_gradsync.sh >"$OUT/gradsync_all.log" 2>&1; echo "=== gradsync done" ;;
     fallback)
-      lim fallback_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_comm_fallback_gpu.py tests/test_example_dataparallel_to_fallback.py
-      lim fallback_bench 200 python3 bench/fallback_bench.py --anchor .bench/anchor --json "$OUT/fallback_bench.json" ;;
-    tests) lim other_gpu_tests 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests --ignore=tests/test_comm_fallback_gpu.py --ignore=tests/test_example_dataparallel_to_fallback.py --ignore=tests/test_grad_sync.py ;;
+      lim fallback_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/library/test_comm_fallback_gpu.py tests/library/test_example_dataparallel_to_fallback.py
+      lim fallback_bench 200 python3 bench/fallback_bench.py --anchor bench/baselines --json "$OUT/fallback_bench.json" ;;
+    tests) lim other_gpu_tests 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests --ignore=tests/library/test_comm_fallback_gpu.py --ignore=tests/library/test_example_dataparallel_to_fallback.py --ignore=tests/library/test_grad_sync.py ;;
     cifar) lim cifar 240 python3 bench/cifar_runs.py --nproc 2 --data .bench/cifar10-jpeg.tar.gz --out "$OUT/runs" --json "$OUT/cifar.json" ${CIFAR_RUNS:---run "graph:recipes/cifar.yaml train.cuda_graph=true train.eval_every=6"} ;;
   esac
 done

@@ -8,9 +8,9 @@ OUT=${OUT:-.bench/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 bash bench/gpu_cifar.sh
-timeout -k 10 100 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_grad_sync.py \
-  "tests/test_comm_fallback_gpu.py::test_two_nodes_match_one_node_with_two_gpus" >"$OUT/gpu_tests.log" 2>&1
-timeout -k 10 70 python3 -m torch.distributed.run --standalone --nproc-per-node=2 -m distlib.bench allreduce \
+timeout -k 10 100 python3 -m pytest -m gpu -q -p no:cacheprovider tests/library/test_grad_sync.py \
+  "tests/library/test_comm_fallback_gpu.py::test_two_nodes_match_one_node_with_two_gpus" >"$OUT/gpu_tests.log" 2>&1
+timeout -k 10 70 python3 -m torch.distributed.run --standalone --nproc-per-node=2 -m bench.step allreduce \
   --groups 1,2,4 --json "$OUT/ar.json" >"$OUT/ar.log" 2>&1
 echo "--- gpu tests"; tail -n 4 "$OUT/gpu_tests.log"
 echo "--- allreduce"; grep -v "^W[0-9]* \|OMP_NUM\|^\*\*\*" "$OUT/ar.log" | tail -n 30

@@ -2,13 +2,13 @@
 # Issue 3 on the 2-GPU machine, in ONE device call (about 4 minutes; every part has its own
 # time limit, and the whole stays under the 10-minute limit of one call even if something hangs):
 #
-#   bash bench/gpu_gradsync.sh        # from the repository root; the anchors in .bench/anchor
+#   bash bench/gpu_gradsync.sh        # from the repository root; the baselines in bench/baselines
 #
-# 1. python -m distlib.bench all on 2 GPUs: all_reduce bus bandwidth (raw vs GradSync's buckets
+# 1. python -m bench.step all on 2 GPUs: all_reduce bus bandwidth (raw vs GradSync's buckets
 #    spread over 1, 2 and 4 communicators, 1 MB ... 1 GB, a synthetic 100M-parameter model per
 #    value) and ResNet18-CIFAR images/s at 512 per GPU for single-eager, single-graph, ddp-eager,
 #    distlib-eager and distlib-graph (the distlib modes with comm_groups 1 and 2) -> bench.json
-#    (and, where distlib/comm_fallback.py exists, the fallback mode: one process, both GPUs)
+#    and the fallback mode (one process, both GPUs)
 # 2. the anchors in the same call: rn18_throughput.py MODE=single and MODE=ddp, allreduce_bw.py
 # 3. the GPU tests: NCCL equivalence on 2 GPUs, captured step == eager step on 1 and 2 GPUs
 #    (on 2 GPUs also with the buckets on 2 communicators)
@@ -18,7 +18,7 @@
 # Logs and results go to $OUT (the device tool's output folder; default .bench/out).
 set -u
 OUT=${OUT:-.bench/out}
-ANCHOR=${ANCHOR:-.bench/anchor}
+ANCHOR=${ANCHOR:-bench/baselines}
 mkdir -p "$OUT"
 # NVLink multicast stays off on these machines (see the device notes)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -38,11 +38,10 @@ part() {  # part NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/NAM
 { nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())'; } >"$OUT/env.log" 2>&1
 cat "$OUT/env.log"
 
-TAIL=55 part bench 210 $TORCHRUN -m distlib.bench all --groups 1,2,4 --comm-groups 1,2 \
+TAIL=55 part bench 210 $TORCHRUN -m bench.step all --groups 1,2,4 --comm-groups 1,2 \
     --json "$OUT/bench.json" --hang-timeout-s 90
-if [ -f distlib/comm_fallback.py ]; then  # issue 4's mode, once merged: one process drives both GPUs
-    part bench_fallback 50 python3 -m distlib.bench step --modes fallback --json "$OUT/bench_fallback.json"
-fi
+# the fallback mode: one process drives both GPUs
+part bench_fallback 50 python3 -m bench.step step --modes fallback --json "$OUT/bench_fallback.json"
 part anchor_single 55 env MODE=single BATCH=512 python3 "$ANCHOR/rn18_throughput.py"
 part anchor_ddp 65 env MODE=ddp BATCH=512 $TORCHRUN "$ANCHOR/rn18_throughput.py"
 part anchor_allreduce_bw 45 $TORCHRUN "$ANCHOR/allreduce_bw.py"

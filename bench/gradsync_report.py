@@ -1,6 +1,6 @@
-"""Side-by-side summary of one gpu_gradsync.sh run: distlib's benchmark against the anchors.
+"""Side-by-side summary of one gpu_gradsync.sh run: distlib's benchmark against the baselines.
 
-    python3 bench/gradsync_report.py OUT_DIR      # reads bench.json and the anchor logs there
+    python3 bench/gradsync_report.py OUT_DIR      # reads bench.json and the baseline logs there
 
 Prints a Markdown summary (also written to OUT_DIR/gradsync_summary.md) for BENCHMARKS.md.
 """
@@ -21,12 +21,12 @@ def _read(path: str) -> str:
         return ""
 
 
-def _anchor_ips(text: str) -> float | None:
+def _baseline_ips(text: str) -> float | None:
     m = re.search(r"RESULT .*images_per_s=(\d+)", text)
     return float(m.group(1)) if m else None
 
 
-def _anchor_busbw(text: str) -> dict[int, float]:
+def _baseline_busbw(text: str) -> dict[int, float]:
     rows = {}
     for line in text.splitlines():
         parts = line.split()
@@ -44,9 +44,9 @@ def main(out: str) -> int:
     env = bench.get("environment", {})
     lines.append(f"torch {env.get('torch')}, CUDA {env.get('cuda')}, NCCL {env.get('nccl')}, GPUs {env.get('gpus')}")
     lines += ["", "## Training step, ResNet18-CIFAR, 512 images per GPU, bf16, channels_last", ""]
-    single = _anchor_ips(_read(os.path.join(out, "anchor_single.log")))
-    ddp = _anchor_ips(_read(os.path.join(out, "anchor_ddp.log")))
-    lines += ["| mode | GPUs | step ms | images/s | vs ddp-eager row | vs anchor DDP |", "|---|---|---|---|---|---|"]
+    single = _baseline_ips(_read(os.path.join(out, "baseline_single.log")))
+    ddp = _baseline_ips(_read(os.path.join(out, "baseline_ddp.log")))
+    lines += ["| mode | GPUs | step ms | images/s | vs ddp-eager row | vs baseline DDP |", "|---|---|---|---|---|---|"]
     steps = bench.get("step", [])
     fallback_json = os.path.join(out, "bench_fallback.json")
     if os.path.exists(fallback_json):  # the fallback mode runs as its own single process
@@ -60,12 +60,12 @@ def main(out: str) -> int:
         v1 = f"{r['images_per_s'] / ours_ddp:.3f}" if ours_ddp else "-"
         v2 = f"{r['images_per_s'] / ddp:.3f}" if ddp else "-"
         lines.append(f"| {r['mode']} | {r['world']} | {r['step_ms']:.2f} | {r['images_per_s']:.0f} | {v1} | {v2} |")
-    lines.append(f"| anchor rn18_throughput MODE=single | 1 | | {single or '-'} | | |")
-    lines.append(f"| anchor rn18_throughput MODE=ddp | 2 | | {ddp or '-'} | | 1.000 |")
+    lines.append(f"| baseline rn18_throughput MODE=single | 1 | | {single or '-'} | | |")
+    lines.append(f"| baseline rn18_throughput MODE=ddp | 2 | | {ddp or '-'} | | 1.000 |")
 
     ar = bench.get("allreduce")
     if ar:
-        anchor_bw = _anchor_busbw(_read(os.path.join(out, "anchor_allreduce_bw.log")))
+        baseline_bw = _baseline_busbw(_read(os.path.join(out, "baseline_allreduce_bw.log")))
         alt = ar.get("also_bucket_mb", 0) > 0
         groups = ar.get("groups", [1])
         title = f"## all_reduce fp32, {ar['world']} GPUs, bus bandwidth GB/s"
@@ -76,9 +76,9 @@ def main(out: str) -> int:
         head = "| bytes | raw | buckets |" + "".join(f" n={n} | ratio |" for n in groups)
         head += f" {ar['also_bucket_mb']:g} MB buckets (n=1) | ratio |" if alt else ""
         cols = 3 + 2 * len(groups) + (2 if alt else 0) + 1
-        lines += ["", title, "", note, "", head + " anchor allreduce_bw.py |", "|---" * cols + "|"]
+        lines += ["", title, "", note, "", head + " baseline allreduce_bw.py |", "|---" * cols + "|"]
         for r in ar["rows"]:
-            a = anchor_bw.get(r["bytes"])
+            a = baseline_bw.get(r["bytes"])
             line = f"| {r['bytes']} | {r['raw_busbw']:.1f} | {r['buckets']} |"
             line += "".join(f" {b['busbw']:.1f} | {b['ratio']:.3f} |" for b in r["bucketed"])
             if alt:
@@ -96,7 +96,7 @@ def main(out: str) -> int:
     probe = _read(os.path.join(out, "graph_step_probe.log"))
     if probe:
         where = [ln.strip() for ln in probe.splitlines() if "graph_step.py" in ln and "line" in ln]
-        lines += ["", "## anchor/graph_step.py with 2 processes (hang probe)", ""]
+        lines += ["", "## bench/baselines/graph_step.py with 2 processes (hang probe)", ""]
         lines.append("RESULT printed: " + ("yes" if "RESULT" in probe else "no"))
         lines.append("returned: " + ("yes" if "returned" in probe else "no"))
         if where:

@@ -1,8 +1,8 @@
 """Run a Python script with a hang alarm: after SECONDS, print every thread's Python stack and exit.
 
-    torchrun --nproc-per-node=2 bench/hang_probe.py 40 .bench/anchor/graph_step.py
+    torchrun --nproc-per-node=2 bench/hang_probe.py 40 bench/baselines/graph_step.py
 
-Used to find where anchor/graph_step.py (NCCL all_reduce inside a captured step) hangs: its last
+Used to find where bench/baselines/graph_step.py (NCCL all_reduce inside a captured step) hangs: its last
 stack names the line (capture, replay, barrier or destroy_process_group).
 """
 

@@ -1,13 +1,20 @@
 """distlib: distributed training for PyTorch, small enough to drop into an existing script.
 
-ctx = distlib.init()                       # torchrun's environment, or world size 1
+ctx = distlib.init()                       # torchrun, srun, mpirun or a PyTorchJob; or world size 1
 loader = distlib.distributed_loader(ds, batch_size=64)
 sync = distlib.GradSync(model)             # after loss.backward(): sync.wait()
 net = distlib.compile_for_sync(model, sync)  # torch.compile, the all_reduces still overlapped
 ...
 distlib.shutdown()
+
+Also here: ``Replicas`` (one process drives every GPU of its node), ``CapturedStep`` (a whole
+training step as a CUDA graph), ``Checkpointer``, ``StopSignal`` (SIGTERM/SIGINT stop every rank
+at one step boundary), ``Watchdog`` (ends a rank that stopped running), ``collectives``, and the
+errors they raise.
 """
 
+from distlib import collectives
+from distlib.checkpoint import Checkpointer, CheckpointError
 from distlib.collectives import (
     all_gather_object,
     all_reduce,
@@ -19,25 +26,39 @@ from distlib.collectives import (
 )
 from distlib.comm_fallback import Replicas
 from distlib.compile import compile_for_sync
+from distlib.cuda_graph import CapturedStep, CaptureUnsupported
+from distlib.errors import DistlibError
 from distlib.grad_sync import GradSync
 from distlib.log import get_logger
+from distlib.model_check import ModelMismatchError
 from distlib.process_group import Context, EnvError, init, shutdown
-from distlib.sampler import EpochLoader, ExactDistributedSampler, distributed_loader
+from distlib.sampler import EpochLoader as EpochLoader  # returned by distributed_loader; kept importable
+from distlib.sampler import ExactDistributedSampler, distributed_loader
+from distlib.stop import StopSignal
+from distlib.watchdog import Watchdog
 
 __version__ = "0.1.0"  # the one place the version is set (pyproject.toml reads it)
 
 __all__ = [
+    "CaptureUnsupported",
+    "CapturedStep",
+    "CheckpointError",
+    "Checkpointer",
     "Context",
+    "DistlibError",
     "EnvError",
-    "EpochLoader",
     "ExactDistributedSampler",
     "GradSync",
+    "ModelMismatchError",
     "Replicas",
+    "StopSignal",
+    "Watchdog",
     "all_gather_object",
     "all_reduce",
     "barrier",
     "broadcast",
     "broadcast_object",
+    "collectives",
     "compile_for_sync",
     "distributed_loader",
     "get_logger",

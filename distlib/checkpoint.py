@@ -1,27 +1,9 @@
 """Checkpoints a resumed run can continue from exactly, written atomically by rank 0.
 
-One file per checkpoint, ``<dir>/epoch0003-step000000.pt``, holding:
-
-- ``state``: the ``state_dict()`` of every object handed to ``save`` (model,
-  optimizer, LR scheduler, EMA, ...), moved to the CPU;
-- ``position``: completed epochs, steps done in the next epoch, the global step;
-- ``ranks``: per rank, its RNG states (torch CPU, CUDA, python ``random``,
-  numpy), the buffers of each module (BatchNorm running statistics are
-  computed from each rank's own batches, so they differ between ranks unless
-  something syncs them) and the caller's per-rank values (a partial epoch's
-  loss sum), gathered
-  to rank 0, so one file is one consistent snapshot (per-rank files would need
-  a commit protocol across files and a filesystem that every node shares; the
-  states are a few KB each);
-- ``fingerprint``: parameter names, shapes and dtypes, and the settings that
-  must not change across a resume (given by the caller);
-- ``extra``: anything else the caller needs (partial epoch loss, timers);
-- ``checksum``: sha256 over all of the above, checked on load.
-
-Only tensors and plain containers are stored, so ``torch.load(weights_only=True)``
-reads it: no pickled objects, no code runs on load. A truncated or corrupted
-file fails that load or the checksum; the previous checkpoint is then used,
-with a warning.
+One file per checkpoint (``<dir>/epoch0003-step000000.pt``): the objects' state_dicts, the
+position, per-rank RNG states, buffers and ``RankStateful`` states gathered to rank 0, a
+fingerprint and a sha256 checksum; only tensors and plain containers, read with
+``torch.load(weights_only=True)``. docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -35,12 +17,13 @@ import sys
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from distlib import collectives
+from distlib.errors import DistlibError
 from distlib.log import get_logger
 
 FORMAT = "distlib-checkpoint"
@@ -48,7 +31,7 @@ VERSION = 1
 _NAME = re.compile(r"^epoch(\d+)-step(\d+)\.pt$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(DistlibError, RuntimeError):
     """No usable checkpoint, a checkpoint from another model or config, or one that could not be written."""
 
 
@@ -56,6 +39,17 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any], /) -> Any: ...
+
+
+@runtime_checkable
+class RankStateful(Protocol):
+    """An object with state of its own on each rank besides the shared ``state_dict()``: its
+    ``rank_state_dict()`` is saved for every rank and given back to the same rank (when the
+    world size is unchanged)."""
+
+    def rank_state_dict(self) -> dict[str, Any]: ...
+
+    def load_rank_state_dict(self, state: dict[str, Any], /) -> Any: ...
 
 
 @dataclass
@@ -127,9 +121,8 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
-    if "numpy" in state:
-        import numpy as np
-
+    np = sys.modules.get("numpy")  # loaded if anything here uses its RNG; never imported by the library
+    if "numpy" in state and np is not None:
         name, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
 
@@ -292,7 +285,8 @@ class Checkpointer:
     ) -> str | None:
         """Write a checkpoint at ``epoch`` completed epochs plus ``step`` steps.
 
-        ``extra`` is stored once (rank 0's); ``rank_extra`` per rank. A
+        Each object's ``state_dict()`` is stored once (rank 0's), and so is ``extra``; the
+        ``rank_state_dict()`` of ``RankStateful`` objects and ``rank_extra`` per rank. A
         collective (it gathers every rank's RNG state and ``rank_extra``):
         every rank must call it. Returns the path on rank 0, None elsewhere.
         Raises CheckpointError on every rank when rank 0 cannot write it.
@@ -300,7 +294,8 @@ class Checkpointer:
         buffers = {
             name: _to_cpu(dict(obj.named_buffers())) for name, obj in objects.items() if isinstance(obj, nn.Module)
         }
-        mine = {"rng": rng_state(), "buffers": buffers, "extra": _to_cpu(dict(rank_extra or {}))}
+        own = {name: _to_cpu(obj.rank_state_dict()) for name, obj in objects.items() if isinstance(obj, RankStateful)}
+        mine = {"rng": rng_state(), "buffers": buffers, "states": own, "extra": _to_cpu(dict(rank_extra or {}))}
         ranks = collectives.all_gather_object(mine)
         path = os.path.join(self.directory, f"epoch{epoch:04d}-step{step:06d}.pt")
         error = None
@@ -382,6 +377,12 @@ class Checkpointer:
         if len(ranks) == world:
             set_rng_state(ranks[rank]["rng"])
             mine = ranks[rank]["extra"]
+            own = ranks[rank].get("states", {})
+            for name, obj in objects.items():
+                if isinstance(obj, RankStateful):
+                    if name not in own:
+                        raise CheckpointError(f"checkpoint {path} has no per-rank state for {name}")
+                    obj.load_rank_state_dict(own[name])
             with torch.no_grad():
                 for name, obj in objects.items():
                     if isinstance(obj, nn.Module):

@@ -22,16 +22,21 @@ _OPS = {
 }
 
 
-def _active() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def active(group: dist.ProcessGroup | None = None) -> bool:
+    """True when there is a process group and ``group`` (default: the whole world) has more than one
+    process: the collectives then communicate; otherwise they are no-ops."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+_active = active  # the name other modules of this package used before
 
 
 def world_size() -> int:
-    return dist.get_world_size() if _active() else 1
+    return dist.get_world_size() if active() else 1
 
 
 def rank() -> int:
-    return dist.get_rank() if _active() else 0
+    return dist.get_rank() if active() else 0
 
 
 def _op(op: str, t: torch.Tensor) -> dist.ReduceOp:
@@ -46,7 +51,7 @@ def _op(op: str, t: torch.Tensor) -> dist.ReduceOp:
 
 def barrier() -> None:
     """Wait until every rank gets here. Every rank must call it, in the same order."""
-    if _active():
+    if active():
         dist.barrier()
 
 
@@ -57,7 +62,7 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     order, with a tensor of the same shape and dtype.
     """
     reduce_op = _op(op, t)
-    if not _active():
+    if not active():
         return t
     dist.all_reduce(t, op=reduce_op)
     if op == "mean":
@@ -71,7 +76,7 @@ def reduce(t: torch.Tensor, dst: int = 0, op: str = "sum") -> torch.Tensor:
     Every rank must call it, in the same order, with a tensor of the same shape and dtype.
     """
     reduce_op = _op(op, t)
-    if not _active():
+    if not active():
         return t
     dist.reduce(t, dst=dst, op=reduce_op)
     if op == "mean" and dist.get_rank() == dst:
@@ -84,7 +89,7 @@ def broadcast(t: torch.Tensor, src: int = 0) -> torch.Tensor:
 
     Every rank must call it, in the same order, with a tensor of the same shape and dtype.
     """
-    if _active():
+    if active():
         dist.broadcast(t, src=src)
     return t
 
@@ -94,7 +99,7 @@ def all_gather_object(obj: Any) -> list[Any]:
 
     Every rank must call it, in the same order.
     """
-    if not _active():
+    if not active():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
@@ -103,7 +108,7 @@ def all_gather_object(obj: Any) -> list[Any]:
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s picklable ``obj`` on every rank. Every rank must call it, in the same order."""
-    if not _active():
+    if not active():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)
@@ -141,7 +146,7 @@ def comm_groups(n: int) -> list[dist.ProcessGroup | None]:
     global _EXTRA_GROUPS
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"comm_groups: n must be an integer >= 1, got {n!r}")
-    if not _active():
+    if not active():
         return [None] * n
     world = dist.group.WORLD
     if _EXTRA_GROUPS is None or _EXTRA_GROUPS[0]() is not world:
@@ -160,21 +165,33 @@ def forget_groups() -> None:
     _EXTRA_GROUPS = None
 
 
-def sync_buffers(module: torch.nn.Module) -> None:
-    """Average ``module``'s floating-point buffers (BatchNorm running statistics) over the
-    ranks and take rank 0's other buffers, so that every rank evaluates the same model.
+def sync_buffers(module: torch.nn.Module, *, group: dist.ProcessGroup | None = None, replicas: int = 1) -> None:
+    """Average ``module``'s floating-point buffers (BatchNorm running statistics) over the ranks
+    of ``group`` (default: all) and take its first rank's other buffers, so that every rank
+    evaluates the same model.
 
-    Every rank must call it, in the same order.
+    ``replicas`` > 1: each rank's floating-point buffers already hold the sum of that many
+    replicas' values (Replicas sums its GPUs' first), so the average divides by
+    ``replicas`` times the number of ranks. Every rank of ``group`` must call it, in the same order.
     """
-    if not _active():
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"sync_buffers: replicas must be an integer >= 1, got {replicas!r}")
+    buffers = [b.detach() for b in module.buffers()]
+    floats = [b for b in buffers if b.is_floating_point()]
+    if not active(group):
+        if replicas > 1:
+            for b in floats:
+                b.div_(replicas)
         return
-    floats = [b for b in module.buffers() if b.is_floating_point()]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    count = replicas * dist.get_world_size(group)
     for dtype in sorted({b.dtype for b in floats}, key=str):
-        group = [b for b in floats if b.dtype == dtype]
-        flat = torch.cat([b.detach().reshape(-1) for b in group])
-        all_reduce(flat, op="mean")
-        for b, part in zip(group, flat.split([b.numel() for b in group])):
-            b.detach().copy_(part.view(b.shape))
-    for b in module.buffers():
+        same = [b for b in floats if b.dtype == dtype]
+        flat = torch.cat([b.reshape(-1) for b in same])
+        dist.all_reduce(flat, group=group)  # SUM, divided afterwards: gloo has no AVG
+        flat.div_(count)
+        for b, part in zip(same, flat.split([b.numel() for b in same])):
+            b.copy_(part.view(b.shape))
+    for b in buffers:
         if not b.is_floating_point():
-            dist.broadcast(b.detach(), src=0)
+            dist.broadcast(b, src=src, group=group)

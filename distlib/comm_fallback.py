@@ -1,40 +1,14 @@
 """The cuda.comm fallback mode: one process per node drives all of that node's GPUs.
 
-For clusters that cannot run one process per GPU. Inside a node, ``torch.cuda.comm``
-moves tensors between the GPUs of the one process; between nodes the node processes
-talk through torch.distributed (NCCL or gloo; world size = number of nodes).
-
-One training step (``Replicas.train_step``)::
-
-    root params ──broadcast──▶ replica params          (one flat buffer per dtype, comm.broadcast)
-    node batch  ──scatter────▶ one shard per GPU        (comm.scatter)
-    forward of replica 0, 1, … issued from ONE thread   (CUDA launches are asynchronous)
-    backward of all replicas in one autograd call       (autograd runs each GPU's backward on that
-                                                          GPU's own C++ worker thread, concurrently)
-    replica grads ──reduce_add──▶ root                  (one flat buffer per dtype, comm.reduce_add)
-    root sum ──all_reduce across nodes──▶ ÷ total GPUs  (torch.distributed, in buckets)
-    optimizer.step() on the root replica only            (by the caller)
-
-Unlike nn.DataParallel, the replicas are built once (not re-replicated every step) and no
-Python thread per GPU fights over the interpreter. With ``cuda_graph=True`` each replica's
-forward+backward is captured once as a CUDA graph on its own GPU and replayed: the host then
-spends microseconds per replica instead of the milliseconds an eager ResNet's launches take.
-
-The gradient math is that of one process per GPU: each replica's loss is the mean over its own
-shard; the summed gradients are divided by the number of GPUs of all nodes.
-
-BatchNorm running statistics: each replica updates its own during training (they only matter
-outside training: training uses batch statistics); ``sync_buffers()`` averages them over all
-GPUs of all nodes. That costs nothing per step, and the root (used for evaluation and
-checkpoints) then holds statistics of every shard rather than of one GPU's shard (DDP's choice).
+Inside a node ``torch.cuda.comm`` broadcasts parameters, scatters the batch and reduces the
+gradients between persistent replicas; between nodes the node processes all_reduce through
+torch.distributed. What a step does and costs, and when to use it: docs/fallback.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import math
-import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -42,60 +16,19 @@ import torch.cuda.comm  # noqa: F401  (a submodule: torch.cuda does not import i
 import torch.distributed as dist
 from torch import nn
 
+from distlib import collectives
+from distlib.buckets import allreduce_buckets
+from distlib.flat_buffers import FlatBuffers
 from distlib.log import get_logger
+from distlib.model_check import check_same_model
+from distlib.state_broadcast import broadcast_module
+
+__all__ = ["Replicas", "allreduce_buckets", "node_devices"]  # allreduce_buckets lives in distlib.buckets
 
 _ALIGN = 64  # elements: each tensor's view in a flat buffer starts 256-byte aligned (fp32)
 _GRAPH_WARMUP = 3  # eager iterations on side streams before capture (cudnn autotuning, lazy init)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _group_active(group: dist.ProcessGroup | None) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-
-
-def allreduce_buckets(
-    flat: torch.Tensor, bucket_mb: float = 25.0, group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
-    """Sum the 1-D tensor ``flat`` in place over the processes of ``group`` and return it.
-
-    ``flat`` is cut into buckets of at most ``bucket_mb`` MiB, each all_reduced
-    asynchronously; all are waited for before returning. A no-op without a process
-    group or at world size 1. A collective: every process must call it, in the same
-    order, with a tensor of the same size and dtype.
-    """
-    if bucket_mb <= 0:
-        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
-    if flat.dim() != 1 or not flat.is_contiguous():
-        raise ValueError(f"allreduce_buckets needs a contiguous 1-D tensor, got shape {tuple(flat.shape)}")
-    if not _group_active(group):
-        return flat
-    per_bucket = max(1, int(bucket_mb * 2**20) // flat.element_size())
-    works = [dist.all_reduce(b, group=group, async_op=True) for b in flat.split(per_bucket)]
-    for w in works:
-        w.wait()
-    return flat
-
-
-def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
-    """Strides of a dense tensor with ``t``'s memory layout (channels_last stays channels_last)."""
-    return torch.empty_like(t, device="meta").stride()
-
-
-class _FlatBuffers:
-    """Tensors of one replica laid out in one flat buffer per dtype (views keep their strides)."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device):
-        self.offsets: list[int] = []
-        sizes: dict[torch.dtype, int] = {}
-        for t in tensors:
-            start = sizes.get(t.dtype, 0)
-            self.offsets.append(start)
-            sizes[t.dtype] = start + math.ceil(t.numel() / _ALIGN) * _ALIGN
-        self.flat = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in sizes.items()}
-        self.views = [
-            self.flat[t.dtype].as_strided(t.shape, _dense_strides(t), off) for t, off in zip(tensors, self.offsets)
-        ]
 
 
 def _broadcast_into(src: torch.Tensor, dsts: list[torch.Tensor]) -> None:
@@ -200,7 +133,7 @@ class Replicas:
         self.devices = _resolve_devices(model, devices)
         self.bucket_mb = bucket_mb
         self.group = group
-        self.nodes = dist.get_world_size(group) if _group_active(group) else 1
+        self.nodes = dist.get_world_size(group) if collectives.active(group) else 1
         self.root = model
         self.models: list[nn.Module] = [model]
         for d in self.devices[1:]:
@@ -211,12 +144,12 @@ class Replicas:
         self._preflight()
         params = [list(m.parameters()) for m in self.models]
         self._buffers = [list(m.buffers()) for m in self.models]
-        self._params: list[_FlatBuffers] = []
-        self._grads: list[_FlatBuffers] = []
+        self._params: list[FlatBuffers] = []
+        self._grads: list[FlatBuffers] = []
         self._grad_params: list[list[tuple[nn.Parameter, torch.Tensor]]] = []
         with torch.no_grad():
             for ps, d in zip(params, self.devices):
-                pf, gf = _FlatBuffers(ps, d), _FlatBuffers(ps, d)
+                pf, gf = FlatBuffers(ps, d, _ALIGN), FlatBuffers(ps, d, _ALIGN)
                 for p, v in zip(ps, pf.views):
                     v.copy_(p)
                     p.data = v  # the parameter now lives in the flat buffer
@@ -246,36 +179,19 @@ class Replicas:
         return self.num_devices * self.nodes
 
     def _preflight(self) -> None:
-        """Every node must drive as many GPUs as the others and hold the same model: compared
+        """Every node must hold the same model and drive as many GPUs as the others: compared
         up front, so a mismatch fails at once on every node instead of hanging later."""
-        if self.nodes == 1:
-            return
-        layout = [(name, tuple(p.shape), str(p.dtype)) for name, p in self.root.named_parameters()]
-        mine = (self.num_devices, layout)
-        out: list = [None] * self.nodes
-        dist.all_gather_object(out, mine, group=self.group)
-        counts = [o[0] for o in out]
+        counts = check_same_model(self.root, "Replicas", group=self.group, extra=self.num_devices)
         if len(set(counts)) > 1:
             raise ValueError(
                 "every node process must drive the same number of GPUs for the gradient average to be "
                 f"that of one process per GPU; GPUs per node process: {counts}"
             )
-        for node, (_, other) in enumerate(out):
-            if other != layout:
-                diff = next(
-                    (f"{a} vs {b}" for a, b in zip(layout, other) if a != b), f"{len(layout)} vs {len(other)} tensors"
-                )
-                raise ValueError(f"the model differs between node 0's process and node {node}'s: {diff}")
 
     def _sync_from_node0(self) -> None:
         """Node 0's root parameters and buffers, on every replica of every node."""
         with torch.no_grad():
-            if self.nodes > 1:
-                src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-                for flat in self._params[0].flat.values():
-                    dist.broadcast(flat, src=src, group=self.group)
-                for b in self._buffers[0]:
-                    dist.broadcast(b, src=src, group=self.group)
+            broadcast_module(self.root, group=self.group)
             self.broadcast_parameters()
             for j, b in enumerate(self._buffers[0]):
                 _broadcast_into(b, [bufs[j] for bufs in self._buffers[1:]])
@@ -338,6 +254,18 @@ class Replicas:
                 allreduce_buckets(summed, self.bucket_mb, self.group)
                 torch.div(summed, self.total_devices, out=root_flat)
 
+    def join(self) -> None:
+        """Uneven inputs are not supported here: raises NotImplementedError.
+
+        Give every node the same number of batches instead (``distlib.sampler.distributed_loader`` with
+        ``drop_last=True``), or use ``GradSync.join()`` with one process per GPU.
+        """
+        raise NotImplementedError(
+            "Replicas.join(): uneven inputs are not supported by the single-process fallback; give every "
+            "node the same number of batches (distributed_loader(..., drop_last=True)) or use GradSync(model).join() "
+            "with one process per GPU"
+        )
+
     def sync_buffers(self) -> None:
         """Average floating-point buffers (BatchNorm running statistics) over every GPU of
         every node and give the result to every replica; other buffers (such as
@@ -346,17 +274,16 @@ class Replicas:
         call it, in the same order.
         """
         with torch.no_grad():
-            by_dtype: dict[torch.dtype, list[int]] = {}
-            for j, b in enumerate(self._buffers[0]):
-                if b.is_floating_point():
-                    by_dtype.setdefault(b.dtype, []).append(j)
-            for idx in by_dtype.values():
-                flats = [torch.cat([bufs[j].reshape(-1) for j in idx]) for bufs in self._buffers]
-                summed = _reduce_add(flats)
-                allreduce_buckets(summed, self.bucket_mb, self.group)
-                summed.div_(self.total_devices)
-                for j, part in zip(idx, summed.split([self._buffers[0][j].numel() for j in idx])):
-                    self._buffers[0][j].copy_(part.view_as(self._buffers[0][j]))
+            if self.num_devices > 1:  # this node's sum of every replica's buffers, on the root
+                by_dtype: dict[torch.dtype, list[int]] = {}
+                for j, b in enumerate(self._buffers[0]):
+                    if b.is_floating_point():
+                        by_dtype.setdefault(b.dtype, []).append(j)
+                for idx in by_dtype.values():
+                    summed = _reduce_add([torch.cat([bufs[j].reshape(-1) for j in idx]) for bufs in self._buffers])
+                    for j, part in zip(idx, summed.split([self._buffers[0][j].numel() for j in idx])):
+                        self._buffers[0][j].copy_(part.view_as(self._buffers[0][j]))
+            collectives.sync_buffers(self.root, group=self.group, replicas=self.num_devices)
             for j, b in enumerate(self._buffers[0]):
                 _broadcast_into(b, [bufs[j] for bufs in self._buffers[1:]])
 
@@ -509,157 +436,3 @@ def node_devices(device: torch.device, local_world_size: int) -> list[torch.devi
         )
     n = torch.cuda.device_count()
     return [device] + [torch.device("cuda", i) for i in range(n) if i != device.index]
-
-
-# ---- throughput ---------------------------------------------------------------------------
-
-
-def _sync(devices: Sequence[torch.device]) -> None:
-    for d in devices:
-        if d.type == "cuda":
-            torch.cuda.synchronize(d)
-
-
-def _bench_setup(per_gpu_batch, devices, cuda_graph, bf16, channels_last, model_fn, seed=0):
-    from distlib.runner.models import resnet18_cifar
-
-    devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if devices is None else list(devices)
-    if not devices:
-        raise ValueError("benchmark_step needs at least one device (no GPU is visible)")
-    root = torch.device("cuda", devices[0]) if isinstance(devices[0], int) else torch.device(devices[0])
-    torch.manual_seed(seed)
-    if root.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    model = (model_fn or resnet18_cifar)().to(root).to(memory_format=fmt)
-    replicas = Replicas(model, devices, cuda_graph=cuda_graph)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
-    n = per_gpu_batch * replicas.num_devices
-    x = torch.randn(n, 3, 32, 32, device=root).contiguous(memory_format=fmt)
-    y = torch.randint(0, 10, (n,), device=root)
-    ce = nn.CrossEntropyLoss(label_smoothing=0.2)
-
-    def loss_fn(out, t):
-        return ce(out.float(), t)
-
-    dtype = torch.bfloat16 if bf16 and root.type == "cuda" else None
-    return replicas, opt, x, y, loss_fn, dtype
-
-
-def benchmark_step(
-    per_gpu_batch: int = 512,
-    steps: int = 40,
-    warmup: int = 10,
-    *,
-    devices: Sequence[torch.device | str | int] | None = None,
-    cuda_graph: bool = True,
-    bf16: bool = True,
-    channels_last: bool = True,
-    model_fn: Callable[[], nn.Module] | None = None,
-) -> float:
-    """Training images/s of the fallback mode on one node: ResNet18-CIFAR (or ``model_fn()``),
-    synthetic data on the root GPU, SGD on the root, ``per_gpu_batch`` images per GPU.
-
-    ``devices=None``: every visible GPU. Timed from the first to the last of ``steps``
-    steps after ``warmup`` untimed ones (which include the graph capture).
-    """
-    replicas, opt, x, y, loss_fn, dtype = _bench_setup(
-        per_gpu_batch, devices, cuda_graph, bf16, channels_last, model_fn
-    )
-
-    def step():
-        replicas.train_step(x, y, loss_fn, autocast_dtype=dtype)
-        opt.step()
-
-    for _ in range(warmup):
-        step()
-    _sync(replicas.devices)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    _sync(replicas.devices)
-    return x.shape[0] * steps / (time.perf_counter() - t0)
-
-
-def step_breakdown(
-    per_gpu_batch: int = 512,
-    iters: int = 10,
-    *,
-    devices: Sequence[torch.device | str | int] | None = None,
-    cuda_graph: bool = True,
-    bf16: bool = True,
-    channels_last: bool = True,
-    model_fn: Callable[[], nn.Module] | None = None,
-) -> dict[str, tuple[float, float]]:
-    """Where a fallback step's time goes: each phase run alone, ``iters`` times, with the
-    GPUs synchronized before and after. Returns ``{phase: (host_ms, done_ms)}``: host_ms is
-    the time until the call returns (the launches), done_ms until every GPU has finished.
-    When host_ms ≈ done_ms the phase is bound by the host's launches, not by the GPUs.
-    ``step`` is a whole step (train_step + optimizer) without synchronization inside.
-    """
-    replicas, opt, x, y, loss_fn, dtype = _bench_setup(
-        per_gpu_batch, devices, cuda_graph, bf16, channels_last, model_fn
-    )
-    devs = replicas.devices
-    for _ in range(3):  # warm-up, and the graph capture
-        replicas.train_step(x, y, loss_fn, autocast_dtype=dtype)
-        opt.step()
-    xs, ys = replicas.scatter(x), replicas.scatter(y)
-
-    def timed(fn) -> tuple[float, float]:
-        host = done = 0.0
-        for _ in range(iters):
-            _sync(devs)
-            t0 = time.perf_counter()
-            fn()
-            t1 = time.perf_counter()
-            _sync(devs)
-            t2 = time.perf_counter()
-            host += t1 - t0
-            done += t2 - t0
-        return host / iters * 1e3, done / iters * 1e3
-
-    out: dict[str, tuple[float, float]] = {}
-    out["broadcast_parameters"] = timed(replicas.broadcast_parameters)
-    out["scatter"] = timed(lambda: (replicas.scatter(x), replicas.scatter(y)))
-    out["forward_backward (all GPUs)"] = timed(lambda: replicas.forward_backward(xs, ys, loss_fn, autocast_dtype=dtype))
-
-    def first_alone():  # the same work on one GPU: how well do the GPUs overlap?
-        if replicas.cuda_graph:
-            with torch.cuda.device(devs[0]):
-                replicas._graphs[0].replay()
-        else:
-            torch.autograd.backward([replicas._forward(0, xs[0], ys[0], loss_fn, dtype)])
-
-    out["  forward_backward of GPU 0 alone"] = timed(first_alone)
-    if not replicas.cuda_graph:
-        n = replicas.num_devices
-
-        def forwards():
-            return [replicas._forward(i, xs[i], ys[i], loss_fn, dtype) for i in range(n)]
-
-        for i in range(n):
-            out[f"  forward of replica {i} alone"] = timed(
-                lambda i=i: replicas._forward(i, xs[i], ys[i], loss_fn, dtype)
-            )
-        out[f"  forward of all {n}, issued from one thread"] = timed(forwards)
-        host = done = 0.0
-        for _ in range(iters):  # backward alone: the forward is done and synchronized first
-            losses = forwards()
-            _sync(devs)
-            t0 = time.perf_counter()
-            torch.autograd.backward(losses)
-            t1 = time.perf_counter()
-            _sync(devs)
-            host += t1 - t0
-            done += time.perf_counter() - t0
-        out[f"  backward of all {n} (one call; a worker thread per GPU)"] = (host / iters * 1e3, done / iters * 1e3)
-    out["reduce_gradients"] = timed(replicas.reduce_gradients)
-    out["optimizer step (root)"] = timed(opt.step)
-
-    def step():
-        replicas.train_step(x, y, loss_fn, autocast_dtype=dtype)
-        opt.step()
-
-    out["step"] = timed(step)
-    return out

@@ -1,46 +1,9 @@
 """The whole training step — forward, backward, gradient all_reduce, optimizer step — captured
 once as a CUDA graph and replayed, with the inputs copied into static buffers.
 
-A ResNet18-CIFAR step at 512 images is bound by kernel launches (12.9 ms eager, 8.3 ms as one
-graph on an H200); replaying one graph removes the launch cost of every kernel, the NCCL
-all_reduce of GradSync's buckets included.
-
-Why an NCCL all_reduce inside a captured step hangs, and what this module does about each cause
-(anchor/graph_step.py, run with two processes, hung):
-
-1. Tearing down with a live graph. A graph that captured an NCCL collective holds a persistent
-   reference on the communicator; ``ncclCommDestroy`` (called by ``destroy_process_group``) waits
-   until every such graph is destroyed. graph_step.py keeps its graph alive through
-   ``dist.destroy_process_group()``, which therefore cannot return: the likeliest cause of the
-   hang seen (bench/gpu_gradsync.sh runs it under a hang alarm that prints where it stops). Here
-   ``release_graphs()`` (called by ``distlib.shutdown()`` before the process group goes)
-   synchronizes and resets every captured step first.
-2. Capturing while NCCL work is pending. ``capture_begin`` waits until c10d's watchdog has
-   retired all pending NCCL work (an event query during capture would invalidate it), and the
-   ranks then capture at different times. We synchronize and barrier before capture: nothing is
-   pending and every rank captures together; a second barrier after capture lets no rank replay
-   before every rank has captured.
-3. Collective order. NCCL matches collectives by order, and "captured or not" must be the same
-   on every rank for a given collective. GradSync launches its buckets strictly in bucket order
-   and rebuilds its bucket layout (the only host-side collective) during the eager warm-up steps,
-   never inside capture; a step that cannot replay (other input shapes) runs eagerly on every
-   rank alike — as long as every rank sees the same shapes. With ``comm_groups=n`` the buckets
-   go to n communicators, bucket i always to i % n: each communicator keeps one order, and
-   ``GradSync.wait()`` makes the captured stream wait for every group's work.
-4. Lazy connection set-up. NCCL connects the peers of an algorithm/protocol at its first use
-   (NCCL_RUNTIME_CONNECT); the warm-up runs exactly the collectives the graph will contain
-   (same buffers, sizes and op), so nothing is connected inside capture. Each warm-up step
-   launches every bucket, so with ``comm_groups=n`` every communicator the graph uses is warmed
-   up too (and the groups themselves are created when GradSync is built, never during capture).
-5. Other threads. The NCCL proxy thread and c10d's watchdog make CUDA calls while we capture;
-   in the default "global" capture mode such a call from another thread invalidates the capture.
-   We capture with ``capture_error_mode="thread_local"``, as NCCL's documentation advises for
-   multi-threaded use (autograd's backward runs on its own device thread too).
-
-The learning rate is a device tensor inside the graph (SGD needs ``fused=True``: its foreach
-path turns a tensor lr into a host number with ``.item()``, which cannot be captured); before
-each replay it is refreshed from the optimizer's param groups, so any scheduler works. Every
-other hyper-parameter is frozen at capture. The loss is returned from a static output buffer.
+Why an NCCL all_reduce inside a captured step can hang, and how this module avoids each cause
+(release before destroy, barriers around capture, one collective order, warm-up of the very
+collectives captured, thread-local capture mode): docs/cuda_graphs.md.
 """
 
 from __future__ import annotations
@@ -54,13 +17,14 @@ import torch.distributed as dist
 from torch import nn
 
 from distlib import collectives
+from distlib.errors import DistlibError
 from distlib.grad_sync import GradSync
 from distlib.log import get_logger
 
 _LIVE: weakref.WeakSet[CapturedStep] = weakref.WeakSet()
 
 
-class CaptureUnsupported(RuntimeError):
+class CaptureUnsupported(DistlibError, RuntimeError):
     """The step cannot be captured as a CUDA graph here (the reason is in the message)."""
 
 

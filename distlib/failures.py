@@ -1,14 +1,8 @@
 """How an error on some ranks becomes a clean, explained exit on all of them.
 
-- ``shared_errors``: an expected error (bad data, say) raised on one rank is
-  raised on every rank, with the same message, instead of leaving the others
-  waiting in their next collective.
-- ``describe``: turns a collective's timeout or lost connection (gloo's
-  "Timed out waiting 10000ms for recv operation", "Connection closed by peer")
-  into a message that says which rank waited, in which collective, called from
-  where, for how long, and what it means.
-- ``abort``: tears the process group down without the final barrier of
-  ``distlib.shutdown()``, which would wait on (or fail against) peers that are gone.
+``shared_errors`` raises one rank's expected error on every rank, ``describe`` explains a
+collective's timeout or lost connection, ``abort`` tears down without the final barrier.
+docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,16 @@
 """Gradient averaging over ranks: flat bucket buffers, all_reduce overlapped with backward.
 
-How it works:
-
-- The trainable parameters are laid out in flat buffers (one per dtype), in the order their
-  gradients arrive in backward: reverse registration order at first, rank 0's observed order
-  after the first synced step (rebuilt once, the same on every rank). The buffers are cut into
-  buckets: a small first one (``first_bucket_mb``) so that communication starts early, then
-  ``bucket_mb`` each.
-- After ``wait()`` every ``p.grad`` is a view into its bucket, with the parameter's own strides
-  (channels_last weights get channels_last gradient views, so fused/foreach optimizers keep
-  their fast path).
-- A post-accumulate-grad hook per parameter marks it ready. When a bucket is complete and every
-  earlier bucket has been launched (all ranks must issue collectives in the same order), its
-  asynchronous all_reduce is launched, overlapping the rest of backward. The division by the
-  world size is folded in: ReduceOp.AVG on NCCL, a pre-division on gloo (which has no AVG).
-- Collectives on one communicator run one after another, so a 25 MB bucket only reaches the
-  ~25 MB point of NCCL's bandwidth curve. With ``comm_groups=n`` bucket i goes to process group
-  i % n (each its own communicator and NCCL stream), so consecutive buckets' all_reduces run
-  concurrently. Each group still sees the same collectives in the same order on every rank.
-- Gradients that the backward produced as fresh tensors (after ``opt.zero_grad()``, which sets
-  them to None) are copied into the bucket with one multi-tensor copy per bucket; gradients that
-  are already bucket views were accumulated in place by autograd and need nothing.
-- A parameter that got no gradient in a step does not hang the job: ``wait()`` launches the
-  buckets that are still open, with zeros for missing gradients (its ``.grad`` ends as the
-  average over ranks: zero if no rank used it, where DDP would leave None).
+Buckets are filled in the order backward produces gradients and all_reduced asynchronously, in
+bucket order on every rank, round-robin over ``comm_groups`` communicators. Each bucket ends with
+one "used" mark per parameter, reduced by the same all_reduce: a parameter no rank used keeps its
+``.grad`` (None), as DDP with ``find_unused_parameters=True``. Design and behaviour (unused
+parameters, requires_grad changes, uneven inputs with ``join()``, accumulation, compression,
+buffers): docs/grad_sync.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Iterator
 from typing import Literal
 
@@ -38,18 +19,25 @@ import torch.distributed as dist
 from torch import nn
 
 from distlib import collectives
+from distlib.buckets import group_tensors
+from distlib.flat_buffers import FlatBuffers
+from distlib.model_check import ModelMismatchError, check_same_model
+from distlib.state_broadcast import broadcast_module
+
+__all__ = ["GradSync", "ModelMismatchError"]  # ModelMismatchError lives in distlib.model_check
 
 _MB = 2**20
+_ABORT = 1 << 20  # join(): announced by a rank that stops (more than any number of active ranks)
 
 
-class ModelMismatchError(RuntimeError):
-    """The model's parameters or buffers differ between ranks (raised on every rank)."""
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class _Slot:
     """One trainable parameter's place in the flat buffers."""
 
-    __slots__ = ("param", "index", "bucket", "view", "ready_step")
+    __slots__ = ("param", "index", "bucket", "view", "ready_step", "used")
 
     def __init__(self, param: nn.Parameter, index: int):
         self.param = param
@@ -57,63 +45,20 @@ class _Slot:
         self.bucket: _Bucket | None = None
         self.view: torch.Tensor | None = None
         self.ready_step = -1
+        self.used = False  # got a gradient since the last synced step (no_sync micro-steps included)
 
 
 class _Bucket:
-    __slots__ = ("index", "slots", "flat", "comp", "pending", "work")
+    __slots__ = ("index", "slots", "flat", "comp", "pending", "work", "used")
 
     def __init__(self, index: int, slots: list[_Slot], flat: torch.Tensor, comp: torch.Tensor | None):
         self.index = index
         self.slots = slots
-        self.flat = flat  # contiguous slice of the dtype's storage
+        self.flat = flat  # contiguous slice of the dtype's storage: the gradients, then one "used" mark per slot
+        self.used = flat[flat.numel() - len(slots) :]  # nonzero after the all_reduce iff some rank used the slot
         self.comp = comp  # bf16 copy that travels instead of flat (compression), or None
         self.pending = len(slots)
         self.work: dist.Work | None = None
-
-
-def _is_dense(t: torch.Tensor) -> bool:
-    """True when ``t``'s strides are a permutation of a contiguous layout (channels_last included)."""
-    expected = 1
-    for stride, size in sorted(zip(t.stride(), t.shape)):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _describe(model: nn.Module) -> list[tuple[str, str, tuple[int, ...], str, bool]]:
-    """(kind, name, shape, dtype, requires_grad) of every parameter and buffer, in order."""
-    rows = [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
-    rows += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in model.named_buffers()]
-    return rows
-
-
-def _diff(reference: list, mine: list, rank: int, limit: int = 8) -> list[str]:
-    """Readable differences between rank 0's description and ``rank``'s."""
-    ref = {(k, n): (s, d, g) for k, n, s, d, g in reference}
-    own = {(k, n): (s, d, g) for k, n, s, d, g in mine}
-    out = []
-    for key in own.keys() - ref.keys():
-        out.append(f"rank {rank}: {key[0]} {key[1]!r} {own[key][0]} does not exist on rank 0")
-    for key in ref.keys() - own.keys():
-        out.append(f"rank {rank}: {key[0]} {key[1]!r} {ref[key][0]} of rank 0 is missing")
-    for key in ref.keys() & own.keys():
-        (s0, d0, g0), (s1, d1, g1) = ref[key], own[key]
-        if s0 != s1:
-            out.append(f"rank {rank}: {key[0]} {key[1]!r} has shape {s1}, rank 0 has {s0}")
-        if d0 != d1:
-            out.append(f"rank {rank}: {key[0]} {key[1]!r} has dtype {d1}, rank 0 has {d0}")
-        if g0 != g1:
-            out.append(f"rank {rank}: {key[0]} {key[1]!r} has requires_grad={g1}, rank 0 has {g0}")
-    if not out:  # same entries, another order
-        for i, (a, b) in enumerate(zip(reference, mine)):
-            if a != b:
-                out.append(f"rank {rank}: registration order differs at position {i}: {b[1]!r}, rank 0 has {a[1]!r}")
-                break
-    out.sort()
-    return out[:limit] + ([f"rank {rank}: ... and {len(out) - limit} more"] if len(out) > limit else [])
 
 
 class GradSync:
@@ -132,6 +77,11 @@ class GradSync:
     buckets round-robin over ``n`` communicators (``collectives.comm_groups``, created once per
     process and shared by every GradSync) so that consecutive buckets' all_reduces overlap. At
     world size 1 nothing is done (and no group is created).
+
+    As DDP with ``find_unused_parameters=True``: a parameter no rank used in a step keeps its
+    ``.grad`` (None after ``opt.zero_grad()``), without an extra collective. ``requires_grad``
+    changed after construction is followed at the next ``wait()``. ``with sync.join():`` around
+    the training loop handles uneven inputs (ranks that run out of batches shadow the others).
     """
 
     def __init__(
@@ -166,6 +116,10 @@ class GradSync:
         self._storages: list[torch.Tensor] = []
         self._slots = [_Slot(p, i) for i, p in enumerate(self.params)]
         self._hooks: list = []
+        self._frozen = [p for p in model.parameters() if not p.requires_grad]  # watched: unfrozen means a rebuild
+        self._joining = False
+        self._announced: dist.Work | None = None
+        self._device = self.params[0].device if self.params else torch.device("cpu")
         self.comm_groups = comm_groups
         if self.world_size == 1:
             return
@@ -189,82 +143,40 @@ class GradSync:
     # ---- construction ----------------------------------------------------------------
     def _preflight(self) -> None:
         """Every rank compares a hash of its model's description with the others'."""
-        desc = _describe(self.model)
-        digest = hashlib.sha256(repr(desc).encode()).hexdigest()
-        digests = collectives.all_gather_object(digest)
-        if len(set(digests)) == 1:
-            return
-        descs = collectives.all_gather_object(desc)  # every rank knows of the mismatch: a consistent second call
-        lines = []
-        for r in range(1, len(descs)):
-            if digests[r] != digests[0]:
-                lines += _diff(descs[0], descs[r], r)
-        raise ModelMismatchError(
-            "GradSync: the model differs between ranks (every rank must build the same model):\n  " + "\n  ".join(lines)
-        )
+        check_same_model(self.model, "GradSync")
 
-    @torch.no_grad()
-    def _broadcast_state(self, chunk_bytes: int = 64 * _MB) -> None:
-        """Rank 0's parameters and buffers to every rank, coalesced per dtype into few broadcasts."""
-        tensors = [p.detach() for p in self.model.parameters()] + [b.detach() for b in self.model.buffers()]
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for t in tensors:
-            groups.setdefault((t.device, t.dtype), []).append(t)
-        for group in groups.values():
-            chunk: list[torch.Tensor] = []
-            size = 0
-            for t in group + [None]:
-                if t is not None and (not chunk or size + t.numel() * t.element_size() <= chunk_bytes):
-                    chunk.append(t)
-                    size += t.numel() * t.element_size()
-                    continue
-                flat = torch.cat([c.reshape(-1) for c in chunk])
-                dist.broadcast(flat, src=0)
-                if dist.get_rank() != 0:
-                    for c, part in zip(chunk, flat.split([c.numel() for c in chunk])):
-                        c.copy_(part.view(c.shape))
-                if t is not None:
-                    chunk, size = [t], t.numel() * t.element_size()
+    def _broadcast_state(self) -> None:
+        """Rank 0's parameters and buffers to every rank."""
+        broadcast_module(self.model)
 
     def _layout(self, order: list[int]) -> None:
         """Flat storages and buckets for the trainable parameters in ``order`` (registration indices)."""
         slots = [self._slots[i] for i in order]
-        groups: list[list[_Slot]] = []
-        size = 0
-        for s in slots:
-            nbytes = s.param.numel() * s.param.element_size()
-            cap = self.first_bucket_bytes if len(groups) == 1 else self.bucket_bytes
-            if groups and groups[-1][0].param.dtype == s.param.dtype and size + nbytes <= cap:
-                groups[-1].append(s)
-                size += nbytes
-            else:
-                groups.append([s])
-                size = nbytes
-        totals: dict[torch.dtype, int] = {}
-        for g in groups:
-            totals[g[0].param.dtype] = totals.get(g[0].param.dtype, 0) + sum(s.param.numel() for s in g)
-        device = self.params[0].device
-        storages = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in totals.items()}
-        self._storages = list(storages.values())
-        offsets = dict.fromkeys(totals, 0)
+        params = [s.param for s in slots]
+        groups = group_tensors(params, self.bucket_bytes, self.first_bucket_bytes)
+        # each bucket's gradients, then its used marks (one element per parameter, same dtype):
+        # one contiguous span, one all_reduce
+        tensors: list[torch.Tensor] = []
+        at: dict[int, int] = {}  # parameter index -> its index in tensors
+        marks_at = []
+        for group in groups:
+            for i in group:
+                at[i] = len(tensors)
+                tensors.append(params[i])
+            marks_at.append(len(tensors))
+            tensors.append(torch.empty(len(group), dtype=params[group[0]].dtype, device="meta"))
+        flat = FlatBuffers(tensors, params[0].device)
+        self._storages = list(flat.flat.values())
         self.buckets = []
-        for g in groups:
-            dt = g[0].param.dtype
-            start = offsets[dt]
-            for s in g:
-                p = s.param
-                if p.is_contiguous() or not _is_dense(p):
-                    s.view = storages[dt][offsets[dt] : offsets[dt] + p.numel()].view(p.shape)
-                else:
-                    s.view = storages[dt].as_strided(p.shape, p.stride(), offsets[dt])
-                offsets[dt] += p.numel()
-            flat = storages[dt][start : offsets[dt]]
+        for group, marks in zip(groups, marks_at):
+            span = flat.span(at[group[0]], marks)
             comp = None
-            if self.compress == "bf16" and dt in (torch.float32, torch.float64):
-                comp = torch.empty(flat.numel(), dtype=torch.bfloat16, device=device)
-            bucket = _Bucket(len(self.buckets), g, flat, comp)
-            for s in g:
-                s.bucket = bucket
+            if self.compress == "bf16" and span.dtype in (torch.float32, torch.float64):
+                comp = torch.empty(span.numel(), dtype=torch.bfloat16, device=span.device)
+            bucket = _Bucket(len(self.buckets), [slots[i] for i in group], span, comp)
+            for i in group:
+                slots[i].view = flat.views[at[i]]
+                slots[i].bucket = bucket
             self.buckets.append(bucket)
 
     def _hook_for(self, index: int):
@@ -278,6 +190,7 @@ class GradSync:
         """A parameter's gradient is complete for this backward (called from autograd)."""
         if self._arrival is not None:
             self._arrival.append(slot.index)
+        slot.used = True  # in no_sync micro-steps too: the accumulated gradient counts as used
         if self._skip:
             return
         if slot.ready_step == self._step:
@@ -297,8 +210,12 @@ class GradSync:
 
     def _launch(self, bucket: _Bucket) -> None:
         """Gather the bucket's gradients into its flat buffer and start its all_reduce."""
+        if self._joining and bucket.index == 0:
+            self._announce(1)  # inside join(): tell ranks that ran out of data that a step follows
         srcs, dsts, zeros = [], [], []
+        all_used = True
         for s in bucket.slots:
+            all_used = all_used and s.used
             g = s.param.grad
             if g is s.view:
                 continue  # accumulated in place by autograd
@@ -311,6 +228,12 @@ class GradSync:
             torch._foreach_copy_(dsts, srcs)
         if zeros:
             torch._foreach_zero_(zeros)
+        # The used marks travel with the gradients: a parameter's mark is nonzero after the
+        # all_reduce iff some rank used it (exact under any rounding: only zeros sum to zero).
+        if all_used or _capturing():
+            bucket.used.fill_(1)  # a captured step uses every parameter (its old behaviour)
+        else:
+            bucket.used.copy_(torch.tensor([float(s.used) for s in bucket.slots], dtype=bucket.used.dtype))
         if self._prediv:
             bucket.flat.div_(self.world_size)
         payload = bucket.flat
@@ -329,6 +252,12 @@ class GradSync:
     def wait(self) -> None:
         """Leave every gradient averaged over the ranks (``p.grad`` a view into its bucket).
 
+        A parameter that no rank used since the last synced step keeps its ``.grad`` untouched
+        (None after ``opt.zero_grad()``), as DDP with ``find_unused_parameters=True`` leaves it, so
+        optimizers skip it; one used on some ranks gets the sum of their gradients divided by the
+        world size. A parameter whose ``requires_grad`` changed since the last step is followed:
+        the buckets are rebuilt (every rank must make the same change before the same step).
+
         A collective: every rank must call it after each synced backward, before the optimizer
         step. A no-op inside ``no_sync()`` and at world size 1.
         """
@@ -343,13 +272,60 @@ class GradSync:
             if b.comp is not None:
                 b.flat.copy_(b.comp)
             b.pending = len(b.slots)
+        if self._announced is not None:
+            self._announced.wait()
+            self._announced = None
+        unused = []
         for s in self._slots:
-            if s.param.grad is not s.view:
-                s.param.grad = s.view
+            if s.used:
+                s.used = False
+                if s.param.grad is not s.view:
+                    s.param.grad = s.view
+            else:
+                unused.append(s)
+        frozen = self._settle_unused(unused) if unused else []
+        thawed = [p for p in self._frozen if p.requires_grad]  # usually an empty list: cheap
         self._next_bucket = 0
         self._step += 1
+        if frozen or thawed:
+            if self._joining:
+                self._announce(_ABORT, wait=True)  # the ranks shadowing in join() raise too
+                raise RuntimeError(
+                    "GradSync: requires_grad changed inside sync.join() "
+                    f"({', '.join(self._name(p) for p in frozen + thawed)}); change it outside join()"
+                )
+            self._follow_requires_grad()
         if not self._rebuilt:
             self._rebuild()
+
+    def _name(self, p: torch.Tensor) -> str:
+        return repr(self._names.get(id(p), "?"))
+
+    def _settle_unused(self, unused: list[_Slot]) -> list[nn.Parameter]:
+        """Gradients of the parameters this rank did not use: averaged where another rank used
+        them, untouched where none did. Returns the unused parameters that no longer require grad
+        (frozen since the buckets were built). Reads the reduced used marks: one device sync, only
+        in steps with a locally unused parameter."""
+        if _capturing():  # a captured step: every mark was 1 (see _launch), nothing to read
+            for s in unused:
+                s.param.grad = s.view
+            return []
+        buckets = list({id(s.bucket): s.bucket for s in unused}.values())
+        marks = torch.cat([b.used for b in buckets]).tolist()
+        where = {id(s): i for i, s in enumerate(s for b in buckets for s in b.slots)}  # slot -> its mark
+        frozen = []
+        for s in unused:
+            used_elsewhere = marks[where[id(s)]] != 0
+            if used_elsewhere and s.param.grad is not s.view:
+                s.param.grad = s.view  # the others' sum / world size
+            if not s.param.requires_grad:
+                if used_elsewhere:
+                    raise RuntimeError(
+                        f"GradSync: parameter {self._name(s.param)} no longer requires grad on this rank but "
+                        "another rank still trains it; every rank must freeze the same parameters before the same step"
+                    )
+                frozen.append(s.param)
+        return frozen
 
     def _rebuild(self) -> None:
         """Once, after the first synced step: lay buckets out in rank 0's gradient arrival order."""
@@ -362,10 +338,156 @@ class GradSync:
         if order == current:
             return
         grads = [s.view for s in self._slots]
+        attached = [s.param.grad is s.view for s in self._slots]  # None (unused) stays None
         self._layout(order)
         torch._foreach_copy_([s.view for s in self._slots], grads)
+        for s, a in zip(self._slots, attached):
+            if a:
+                s.param.grad = s.view
+
+    def _follow_requires_grad(self) -> None:
+        """Rebuild the buckets for the parameters that require grad now. A collective: the ranks
+        compare their lists (a difference raises on every rank, naming it), and the gradients of
+        the newly trainable parameters, computed in this step, are averaged here."""
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        lists = collectives.all_gather_object(names)
+        if any(other != lists[0] for other in lists):
+            lines = []
+            for r, other in enumerate(lists[1:], 1):
+                only0, onlyr = sorted(set(lists[0]) - set(other)), sorted(set(other) - set(lists[0]))
+                if only0 or onlyr:
+                    lines.append(f"rank {r}: trainable only on rank 0: {only0}; only on rank {r}: {onlyr}")
+            raise RuntimeError(
+                "GradSync: requires_grad changed differently on different ranks:\n  " + "\n  ".join(lines)
+            )
+        old = {id(s.param): s for s in self._slots}
+        kept = [s.param for b in self.buckets for s in b.slots]
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self._frozen = [p for p in self.model.parameters() if not p.requires_grad]
+        for p in self._frozen:  # a view into the old buffers: training it on would move a frozen weight
+            if id(p) in old and p.grad is old[id(p)].view:
+                p.grad = None
+        self._slots = [_Slot(p, i) for i, p in enumerate(self.params)]
+        index = {id(p): i for i, p in enumerate(self.params)}
+        order = [index[id(p)] for p in kept if id(p) in index]
+        order += [i for i in reversed(range(len(self.params))) if id(self.params[i]) not in old]
+        self._rebuilt, self._arrival = True, None  # this layout is final, the same on every rank
+        self.buckets, self._storages = [], []
+        if self.params:
+            self._layout(order)
+        new = []
         for s in self._slots:
-            s.param.grad = s.view
+            prev = old.get(id(s.param))
+            if prev is None:
+                new.append(s)
+            elif s.param.grad is prev.view:
+                s.view.copy_(prev.view)
+                s.param.grad = s.view
+        self._reduce_now(new)
+        for s in self._slots:
+            self._hooks.append(s.param.register_post_accumulate_grad_hook(self._hook_for(s.index)))
+
+    @torch.no_grad()
+    def _reduce_now(self, slots: list[_Slot]) -> None:
+        """Average these parameters' gradients now (blocking), with the same used-mark rule."""
+        by_dtype: dict[torch.dtype, list[_Slot]] = {}
+        for s in slots:
+            by_dtype.setdefault(s.param.dtype, []).append(s)
+        for group in by_dtype.values():
+            parts = [s.param.grad if s.param.grad is not None else torch.zeros_like(s.param) for s in group]
+            marks = torch.tensor([float(s.param.grad is not None) for s in group], dtype=group[0].param.dtype)
+            flat = torch.cat([t.reshape(-1) for t in parts] + [marks.to(parts[0].device)])
+            if self._prediv:
+                flat.div_(self.world_size)
+            dist.all_reduce(flat, op=self._op)
+            sizes = [s.param.numel() for s in group] + [len(group)]
+            *values, reduced_marks = flat.split(sizes)
+            for s, v, m in zip(group, values, reduced_marks.tolist()):
+                if m != 0:
+                    s.view.copy_(v.view(s.param.shape))
+                    s.param.grad = s.view
+
+    # ---- uneven inputs ---------------------------------------------------------------
+    def _announce(self, value: int, wait: bool = False) -> int:
+        """All_reduce (sum) of one number over the ranks: 1 per rank that runs a synced step, 0 per
+        rank that shadows, _ABORT per rank that gives up. Blocking only with ``wait``."""
+        t = torch.full((1,), value, dtype=torch.int64, device=self._device)
+        work = dist.all_reduce(t, async_op=True)
+        if not wait:
+            self._announced = work  # waited in wait(); the tensor lives in the work
+            return 0
+        work.wait()
+        return int(t.item())
+
+    @contextlib.contextmanager
+    def join(self) -> Iterator[None]:
+        """Train with uneven inputs: wrap the training loop (``with sync.join(): for x, y in data: ...``).
+
+        A rank that leaves the block while others still train shadows their synced steps: it
+        all_reduces zeros for each of their buckets until every rank has left (no timeout is
+        involved). Gradients stay divided by the initial world size, so every sample weighs the
+        same, as with DDP under ``torch.distributed.algorithms.Join`` (``divide_by_initial_world_size``).
+        When all have left, every rank takes the parameters of the last rank to leave (the
+        highest such rank), as DDP does; buffers stay each rank's own (GradSync never broadcasts
+        them during training, like DDP with ``broadcast_buffers=False``): call ``sync_buffers()``
+        for averaged BatchNorm statistics. Other collectives inside the block (``sync_buffers``,
+        SyncBatchNorm, metrics) are not shadowed, and requires_grad must not change inside it.
+
+        A collective: every rank must enter and leave it. An exception inside the block is raised
+        at once, without shadowing (the other ranks then wait in their next collective).
+        """
+        if self.world_size == 1:
+            yield
+            return
+        if self._joining:
+            raise RuntimeError("GradSync.join(): already inside join()")
+        self._joining = True
+        try:
+            yield
+        finally:
+            self._joining = False
+        if self._next_bucket != 0 or any(b.work is not None for b in self.buckets):
+            raise RuntimeError("GradSync.join(): a synced backward was not followed by sync.wait() before leaving")
+        last = True
+        while True:
+            active = self._announce(0, wait=True)
+            if active == 0:
+                break
+            if active >= _ABORT:
+                raise RuntimeError("GradSync.join(): another rank changed requires_grad inside join() and stopped")
+            last = False
+            works = []
+            for b in self.buckets:  # the active ranks' step: zeros for each bucket, in bucket order
+                payload = b.comp if b.comp is not None else b.flat
+                payload.zero_()
+                group = None
+                if self.comm_groups > 1:
+                    group = collectives.comm_groups(self.comm_groups)[b.index % self.comm_groups]
+                works.append(dist.all_reduce(payload, op=self._op, group=group, async_op=True))
+            for w in works:
+                w.wait()
+            if not self._rebuilt:
+                self._rebuild()  # the active ranks rebuild after their first synced step
+        self._take_last_joiner(last)
+
+    @torch.no_grad()
+    def _take_last_joiner(self, last: bool) -> None:
+        """Every rank takes the parameters of the highest rank among those that left join() last."""
+        t = torch.full((1,), dist.get_rank() if last else -1, dtype=torch.int64, device=self._device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        src = int(t.item())
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.model.parameters():
+            groups.setdefault(p.dtype, []).append(p.detach())
+        for group in groups.values():
+            flat = torch.cat([p.reshape(-1) for p in group])
+            dist.broadcast(flat, src=src)
+            if dist.get_rank() != src:
+                for p, part in zip(group, flat.split([p.numel() for p in group])):
+                    p.copy_(part.view(p.shape))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -381,7 +503,9 @@ class GradSync:
     def zero_grad(self) -> None:
         """Zero every gradient in place, keeping the bucket views (one kernel per dtype).
 
-        ``opt.zero_grad()`` (set_to_none=True) is equally correct: ``wait()`` re-attaches the views.
+        ``opt.zero_grad()`` (set_to_none=True) is equally correct: ``wait()`` re-attaches the views
+        (except to parameters no rank used, which keep None). After ``zero_grad()`` a parameter that
+        no rank uses keeps a zero gradient, as with DDP after ``opt.zero_grad(set_to_none=False)``.
         """
         if self.world_size == 1 or not self.buckets:
             grads = [p.grad for p in self.params if p.grad is not None]
@@ -401,8 +525,8 @@ class GradSync:
         collectives.sync_buffers(self.model)
 
     def bucket_sizes(self) -> list[int]:
-        """Bytes of each bucket, in launch order."""
-        return [b.flat.numel() * b.flat.element_size() for b in self.buckets]
+        """Bytes of each bucket's gradients (without its used marks), in launch order."""
+        return [(b.flat.numel() - len(b.slots)) * b.flat.element_size() for b in self.buckets]
 
     def close(self) -> None:
         """Remove the hooks (the gradients stay where they are)."""

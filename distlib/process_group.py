@@ -1,9 +1,10 @@
 """Process group set-up and teardown.
 
-``init()`` reads torchrun's environment (or finds none: world size 1, no process
-group, every collective a no-op), binds the process to its GPU and starts the
-process group. ``shutdown()`` tears it down without the gloo abort at exit
-(see its docstring for the cause).
+``init()`` reads the launcher's environment (torchrun, srun, a PyTorchJob or
+mpirun: see ``distlib.launchers``; or finds none: world size 1, no process group,
+every collective a no-op), binds the process to its GPU and starts the process
+group. ``shutdown()`` tears it down without the gloo abort at exit (see its
+docstring for the cause).
 """
 
 from __future__ import annotations
@@ -16,18 +17,18 @@ import os
 import sys
 import traceback
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from distlib import collectives
+from distlib.errors import DistlibError
 from distlib.log import get_logger, set_rank
 
-_ENV_REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
-
-class EnvError(RuntimeError):
+class EnvError(DistlibError, RuntimeError):
     """The distributed environment is incomplete or contradictory."""
 
 
@@ -55,48 +56,20 @@ class EnvInfo:
     local_rank: int
     world_size: int
     local_world_size: int
+    launcher: str = "none"  # "torchrun", "pytorchjob", "srun", "mpirun", or "none" for a plain process
+    master_addr: str | None = None  # rank 0's host and port (the rendezvous), None at world size 1
+    master_port: int | None = None
 
 
-def parse_env(env: dict[str, str] | None = None) -> EnvInfo | None:
-    """Read torchrun's variables. None when none is set (a plain ``python`` run).
+def parse_env(env: Mapping[str, str] | None = None) -> EnvInfo | None:
+    """Read the launcher's variables (torchrun, srun, a PyTorchJob, mpirun). None when no launcher's
+    are set (a plain ``python`` run).
 
-    Raises EnvError naming what is missing or wrong when they are half set.
+    Raises EnvError naming what is missing or wrong when they are half set or contradictory.
     """
-    env = os.environ if env is None else env
-    present = [k for k in _ENV_REQUIRED if k in env]
-    if not present:
-        return None
-    missing = [k for k in _ENV_REQUIRED if k not in env]
-    if missing:
-        raise EnvError(
-            f"distributed environment is half set: {', '.join(present)} present but "
-            f"{', '.join(missing)} missing; start with torchrun, or set none of them for one process"
-        )
-    values = {}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        raw = env.get(key)
-        if raw is None:
-            continue
-        try:
-            values[key] = int(raw)
-        except ValueError:
-            raise EnvError(f"{key}={raw!r} is not an integer") from None
-    world = values["WORLD_SIZE"]
-    rank = values["RANK"]
-    local_rank = values["LOCAL_RANK"]
-    local_world = values.get("LOCAL_WORLD_SIZE", world)
-    problems = []
-    if world < 1:
-        problems.append(f"WORLD_SIZE={world} must be >= 1")
-    if not 0 <= rank < max(world, 1):
-        problems.append(f"RANK={rank} must be in [0, WORLD_SIZE={world})")
-    if not 0 <= local_rank < max(local_world, 1):
-        problems.append(f"LOCAL_RANK={local_rank} must be in [0, LOCAL_WORLD_SIZE={local_world})")
-    if local_world > world >= 1:
-        problems.append(f"LOCAL_WORLD_SIZE={local_world} must be <= WORLD_SIZE={world}")
-    if problems:
-        raise EnvError("; ".join(problems))
-    return EnvInfo(rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world)
+    from distlib.launchers import detect  # imported here: launchers imports EnvInfo and EnvError from this module
+
+    return detect(os.environ if env is None else env)
 
 
 def resolve_backend(backend: str) -> str:
@@ -126,16 +99,34 @@ def _restart_safe_store(info: EnvInfo, timeout: datetime.timedelta) -> dist.Stor
     return dist.PrefixStore(f"distlib/attempt{attempt}", store)
 
 
+def _gpu_index(info: EnvInfo, n_gpus: int, gpus_per_process: int, env: Mapping[str, str]) -> int:
+    """This process's GPU among those it sees: its local rank, or the first when srun gave each task its
+    own GPUs (``--gpus-per-task``: each task sees only its own)."""
+    if gpus_per_process > 1 or info.local_world_size <= n_gpus:
+        return info.local_rank
+    if info.launcher == "srun" and n_gpus >= 1 and "SLURM_GPUS_PER_TASK" in env:
+        return 0
+    from distlib.launchers import PER_NODE_FLAG
+
+    raise EnvError(
+        f"{info.local_world_size} processes on this node but only {n_gpus} GPU(s) visible; "
+        f"start {n_gpus} or fewer per node ({PER_NODE_FLAG.get(info.launcher, '--nproc-per-node')})"
+    )
+
+
 _CONTEXT: Context | None = None
 _timeout_s = 300.0  # init()'s collective timeout, also the bound of shutdown()'s barrier
 _atexit_registered = False
 
 
 def init(backend: str = "auto", timeout_s: float = 300.0, *, gpus_per_process: int = 1) -> Context:
-    """Start the process group from torchrun's environment and bind this process's device.
+    """Start the process group from the launcher's environment and bind this process's device.
 
-    Without torchrun's variables this is world size 1: no process group is
-    started and the collectives of distlib are no-ops. ``gpus_per_process`` > 1
+    torchrun, srun, a Kubeflow PyTorchJob and mpirun are read (``distlib.launchers``);
+    without any launcher's variables this is world size 1: no process group is
+    started and the collectives of distlib are no-ops. Under a launcher other than
+    torchrun, the MASTER_ADDR and MASTER_PORT it derived are exported to this
+    process's environment, where torch's rendezvous reads them. ``gpus_per_process`` > 1
     (the cuda.comm fallback mode) skips the one-GPU-per-process check.
     """
     global _CONTEXT, _timeout_s, _atexit_registered
@@ -145,17 +136,13 @@ def init(backend: str = "auto", timeout_s: float = 300.0, *, gpus_per_process: i
         info = EnvInfo(rank=0, local_rank=0, world_size=1, local_world_size=1)
     set_rank(info.rank)
     if name == "nccl":
-        n_gpus = torch.cuda.device_count()
-        if gpus_per_process == 1 and info.local_world_size > n_gpus:
-            raise EnvError(
-                f"{info.local_world_size} processes on this node but only {n_gpus} GPU(s) visible; "
-                f"use --nproc-per-node={n_gpus} or fewer"
-            )
-        device = torch.device("cuda", info.local_rank)
+        device = torch.device("cuda", _gpu_index(info, torch.cuda.device_count(), gpus_per_process, os.environ))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if info.world_size > 1 and not dist.is_initialized():
+        os.environ["MASTER_ADDR"] = str(info.master_addr)  # torchrun's own values, or those the launcher gave
+        os.environ["MASTER_PORT"] = str(info.master_port)
         # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is
         # imported, which torch._dynamo does (the first optimizer imports it). Imported after the group
         # exists, it would keep the group alive past destroy_process_group(), and with it gloo's worker
@@ -178,10 +165,10 @@ def init(backend: str = "auto", timeout_s: float = 300.0, *, gpus_per_process: i
         except dist.DistNetworkError as e:  # rank 0 hosts the store on MASTER_PORT when torchrun does not
             where = f"MASTER_ADDR={os.environ['MASTER_ADDR']} MASTER_PORT={os.environ['MASTER_PORT']}"
             if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
+                pick = "let torchrun pick one with --standalone" if info.launcher == "torchrun" else "set MASTER_PORT"
                 raise EnvError(
                     f"cannot start the process group: {where} is already in use by another process "
-                    "(another job, or a leftover one); choose a free port, or let torchrun pick one "
-                    "with --standalone"
+                    f"(another job, or a leftover one); choose a free port: {pick}"
                 ) from e
             raise EnvError(f"cannot start the process group at {where}: {str(e).splitlines()[0]}") from e
         _timeout_s = timeout_s

@@ -1,14 +1,16 @@
-"""DistributedSampler-backed loaders that advance the epoch by themselves, and an
-exact sampler for evaluation that gives every sample to exactly one rank."""
+"""DistributedSampler-backed loaders that advance the epoch by themselves, an
+exact sampler for evaluation that gives every sample to exactly one rank, and the
+sharding of an IterableDataset over ranks and DataLoader workers."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, get_worker_info
 
 from distlib import collectives
 
@@ -42,15 +44,59 @@ class ExactDistributedSampler(Sampler[int]):
         return len(range(self.rank, self.n, self.num_replicas))
 
 
+class ShardedIterable(IterableDataset):
+    """An IterableDataset's samples split over ranks and DataLoader workers, each exactly once per pass.
+
+    The worker ``w`` of ``num_workers`` on rank ``r`` keeps the samples ``i`` of the
+    stream with ``i % (num_replicas * num_workers) == r * num_workers + w`` (torch's
+    docs for IterableDataset split the work by worker id in the same way; torchdata
+    calls it a sharding filter): every worker reads the whole stream and skips the
+    others' samples. ``num_workers`` must be the same on every rank. ``set_epoch``
+    is passed on to the dataset when it has one (to reshuffle its stream per epoch).
+    """
+
+    def __init__(self, dataset: IterableDataset, num_replicas: int, rank: int):
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
+        self.dataset = dataset
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()  # None in the main process (num_workers=0)
+        workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
+        shard = self.rank * workers + worker
+        return itertools.islice(iter(self.dataset), shard, None, self.num_replicas * workers)
+
+    def num_batches(self, batch_size: int, drop_last: bool, num_workers: int) -> int:
+        """The batches this rank yields in one pass, from ``len(dataset)``: each worker batches its own
+        shard, so every worker may end with a short batch. TypeError when the dataset has no length."""
+        n = len(self.dataset)  # type: ignore[arg-type]
+        workers = max(num_workers, 1)
+        total = self.num_replicas * workers
+        sizes = [len(range(self.rank * workers + w, n, total)) for w in range(workers)]
+        return sum(k // batch_size if drop_last else -(-k // batch_size) for k in sizes)
+
+
 class EpochLoader:
     """A DataLoader whose every new pass calls ``sampler.set_epoch`` with the next epoch.
 
     Forgetting ``set_epoch`` is the classic DistributedSampler bug (every epoch
     sees the same order); here the loader counts its own passes. ``set_epoch``
     sets the epoch of the next pass (used when resuming).
+
+    ``len()`` is the number of batches this rank yields per pass. Over an
+    IterableDataset it is computed from ``len(dataset)`` and raises TypeError
+    when the dataset has no length.
     """
 
-    def __init__(self, loader: DataLoader, sampler: DistributedSampler | ExactDistributedSampler):
+    def __init__(self, loader: DataLoader, sampler: DistributedSampler | ExactDistributedSampler | ShardedIterable):
         self.loader = loader
         self.sampler = sampler
         self.epoch = 0
@@ -64,10 +110,20 @@ class EpochLoader:
         return iter(self.loader)
 
     def __len__(self) -> int:
+        if isinstance(self.sampler, ShardedIterable):
+            if not hasattr(self.sampler.dataset, "__len__"):
+                raise TypeError(
+                    f"a loader over an IterableDataset ({type(self.sampler.dataset).__name__}) without __len__ "
+                    "has no length: iterate it to the end, or give the dataset a __len__"
+                )
+            return self.sampler.num_batches(self.loader.batch_size, self.loader.drop_last, self.loader.num_workers)
         return len(self.loader)
 
     @property
     def dataset(self) -> Dataset:
+        """The dataset given to ``distributed_loader`` (not the sharding wrapper of an IterableDataset)."""
+        if isinstance(self.sampler, ShardedIterable):
+            return self.sampler.dataset
         return self.loader.dataset
 
 
@@ -75,7 +131,7 @@ def distributed_loader(
     dataset: Dataset,
     batch_size: int,
     *,
-    shuffle: bool = True,
+    shuffle: bool | None = None,
     exact: bool = False,
     seed: int = 0,
     drop_last: bool = False,
@@ -85,15 +141,28 @@ def distributed_loader(
 ) -> EpochLoader:
     """A DataLoader over this rank's shard of ``dataset``; ``batch_size`` is per rank.
 
-    ``exact=True`` (for evaluation) gives every sample to exactly one rank
-    without the padding that DistributedSampler adds, so a metric summed over
-    ranks counts each sample once. Each new pass over the returned loader
-    advances the sampler's epoch.
+    A map-style dataset is shuffled (``shuffle`` defaults to True) by a
+    DistributedSampler, which pads so that every rank takes the same number of
+    batches. ``exact=True`` (for evaluation) gives every sample to exactly one rank
+    without that padding, so a metric summed over ranks counts each sample once.
+    Each new pass over the returned loader advances the sampler's epoch.
+
+    An IterableDataset is split by ``ShardedIterable``: every sample exactly once
+    per pass over ranks and DataLoader workers, without padding, in the dataset's
+    own order (it shuffles itself, if at all, e.g. from the epoch its ``set_epoch``
+    receives; ``shuffle=True`` is refused, ``exact`` and ``seed`` do not apply).
+    Ranks may then yield different numbers of batches: a training loop must end
+    every rank's epoch at the same step (a fixed number of steps per epoch, or a
+    collective "done" flag), or the ranks that go on wait in a collective forever.
+    ``len()`` of such a loader: see ``EpochLoader``.
     """
     num_replicas = collectives.world_size() if num_replicas is None else num_replicas
     rank = collectives.rank() if rank is None else rank
     if "sampler" in dataloader_kwargs or "batch_sampler" in dataloader_kwargs:
         raise ValueError("distributed_loader makes its own sampler; do not pass sampler or batch_sampler")
+    if isinstance(dataset, IterableDataset):
+        return _iterable_loader(dataset, batch_size, shuffle, drop_last, num_replicas, rank, dataloader_kwargs)
+    shuffle = True if shuffle is None else shuffle
     if exact:
         sampler: DistributedSampler | ExactDistributedSampler = ExactDistributedSampler(
             dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed
@@ -104,6 +173,31 @@ def distributed_loader(
         )
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **dataloader_kwargs)
     return EpochLoader(loader, sampler)
+
+
+def _iterable_loader(
+    dataset: IterableDataset,
+    batch_size: int,
+    shuffle: bool | None,
+    drop_last: bool,
+    num_replicas: int,
+    rank: int,
+    dataloader_kwargs: dict[str, Any],
+) -> EpochLoader:
+    name = type(dataset).__name__
+    if shuffle:
+        raise ValueError(
+            f"shuffle=True cannot reorder an IterableDataset ({name}): it yields its samples in its own order; "
+            "shuffle inside the dataset (its set_epoch(epoch) is called before each pass) and leave shuffle unset"
+        )
+    if dataloader_kwargs.get("persistent_workers") and hasattr(dataset, "set_epoch"):
+        raise ValueError(
+            f"persistent_workers=True keeps each worker's copy of {name} from the first pass, so its set_epoch "
+            "would never reach the workers; use persistent_workers=False"
+        )
+    sharded = ShardedIterable(dataset, num_replicas=num_replicas, rank=rank)
+    loader = DataLoader(sharded, batch_size=batch_size, drop_last=drop_last, **dataloader_kwargs)
+    return EpochLoader(loader, sharded)
 
 
 def shard_size(n: int, num_replicas: int, rank: int, exact: bool) -> int:

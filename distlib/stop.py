@@ -1,19 +1,8 @@
 """SIGTERM and SIGINT stop every rank at the same step boundary.
 
-torchrun starts each worker in its own session, so a Ctrl-C or a ``kill`` reaches
-the torchrun agent only; the agent forwards the same signal to every worker and
-sends SIGKILL to those still running 30 s later. A scheduler may also signal
-one worker alone. Either way the ranks must agree on the step where they stop,
-or the ones that stop leave the others waiting in a collective.
-
-So a signal only sets a flag; ``check()``, called at every step, all_reduces the
-flags (max) over a separate gloo group, asynchronously and one step behind: the
-reduction started at step k is read at step k+1, so the check costs no device
-sync and no wait, and every rank sees the same value at the same step.
-
-A second signal of the same kind acts at once (the default action). A run
-stopped this way exits with 128 + the signal number (130 for SIGINT, 143 for
-SIGTERM), the shell's convention for "terminated by a signal": not a success.
+A signal only sets a flag; ``check()`` all_reduces the flags over a separate gloo group, one step
+behind, so every rank stops at the same step without a device sync. A run stopped this way exits
+with 128 + the signal number. docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""A watchdog process that ends this rank when the rank stops running.
+"""A watchdog process that ends this rank when the rank stops running (SIGSTOP, a frozen host).
 
-A rank that is stopped (SIGSTOP, a frozen machine, a debugger holding it)
-leaves its peers waiting: they fail after ``dist.timeout_s``, but the stopped
-process itself cannot act, and torchrun's agent waits 30 s after its SIGTERM
-before it sends SIGKILL (on a remote node nothing may ever end it). So each
-rank starts a tiny child process and a heartbeat thread that writes to it
-through a pipe; when the heartbeats stop for ``deadline_s`` the child says
-which rank stalled, on which host and in which process state, and kills it
-with SIGKILL. torchrun then sees a failed worker and ends or restarts the
-job. When the rank exits, the pipe closes and the child exits too.
-
-The heartbeat is a thread, so a rank busy computing, waiting in a collective
-or in a long ``time.sleep`` still beats; only a process that does not run at
-all (or one whose C code holds the GIL for the whole deadline) is killed.
+A heartbeat thread writes to a tiny child process through a pipe; when the heartbeats stop for
+the deadline the child says which rank stalled and SIGKILLs it. docs/reliability.md.
 
 This file also runs as the child: ``python -I -S watchdog.py FD PID DEADLINE RANK``,
 with only the standard library.

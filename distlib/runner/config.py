@@ -8,7 +8,9 @@ Every problem in a recipe and its overrides is collected and reported at once
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
+import math
 import os
 import re
 import typing
@@ -16,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import yaml
+
+from distlib.errors import DistlibError
 
 
 @dataclass
@@ -103,7 +107,7 @@ class Config:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
-class ConfigError(ValueError):
+class ConfigError(DistlibError, ValueError):
     """All problems found in a recipe and its overrides, one per line."""
 
     def __init__(self, problems: list[str]):
@@ -151,10 +155,16 @@ def _coerce(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _EXPONENT_FLOAT.match(value):
-            return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):  # YAML's true is no number
+            number = float(value)
+        elif isinstance(value, str) and _EXPONENT_FLOAT.match(value):
+            number = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+        if number is not None and math.isfinite(number):  # .nan and .inf would slip past every range check
+            return number
+        if number is not None:
+            problems.append(f"{path}: expected a finite float, got {value!r}")
+            return None
     elif tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -174,7 +184,9 @@ def _apply(obj: Any, data: Any, prefix: str, problems: list[str]) -> None:
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
-            problems.append(f"{path}: unknown key (valid keys here: {', '.join(names)})")
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(f"{path}: unknown key (valid keys here: {', '.join(names)}){hint}")
             continue
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
@@ -300,10 +312,26 @@ def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-# ---- the config reference in README.md is generated from the dataclasses above ----------------
+# ---- docs/configuration.md is generated from the dataclasses above -----------------------------
 
-REFERENCE_BEGIN = "<!-- config-reference:begin (python -m distlib.runner.config --update-readme README.md) -->"
-REFERENCE_END = "<!-- config-reference:end -->"
+CONFIGURATION_DOC = "docs/configuration.md"  # relative to the repository root
+
+_CONFIGURATION_INTRO = """\
+# Configuration reference
+
+<!-- Generated from distlib/runner/config.py by `make reference`; do not edit by hand. -->
+
+Recipes are YAML files that hold only what differs from the defaults below; `a.b=value` on the
+command line overrides them, with the value converted to the key's type (`train.lr=1e-3`,
+`data.download=true`, `run.name=no` is the string "no"). Every problem in a recipe and its
+overrides is reported at once, before any process group starts and before anything is written,
+and the command exits with status 2. `python -m distlib.runner.config RECIPE [a.b=value ...]`
+checks a recipe and prints the resolved config.
+
+This page is generated from the config's dataclasses (`make reference` rewrites it; a test checks
+that it is current).
+
+"""
 
 
 def _field_comments(cls: type) -> dict[str, str]:
@@ -351,18 +379,23 @@ def reference_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-def update_readme(path: str) -> bool:
-    """Rewrite the table between the reference markers in ``path``; True when it changed."""
-    with open(path) as f:
-        text = f.read()
-    begin, end = text.find(REFERENCE_BEGIN), text.find(REFERENCE_END)
-    if begin < 0 or end < begin:
-        raise SystemExit(f"{path}: no {REFERENCE_BEGIN} ... {REFERENCE_END} block")
-    new = text[: begin + len(REFERENCE_BEGIN)] + "\n" + reference_table() + text[end:]
-    if new != text:
-        with open(path, "w") as f:
-            f.write(new)
-    return new != text
+def configuration_page() -> str:
+    """The whole of docs/configuration.md: a short introduction, then the reference table."""
+    return _CONFIGURATION_INTRO + reference_table()
+
+
+def write_configuration_page(path: str) -> bool:
+    """Write ``configuration_page()`` to ``path``; True when the file changed."""
+    new = configuration_page()
+    try:
+        with open(path) as f:
+            if f.read() == new:
+                return False
+    except FileNotFoundError:
+        pass
+    with open(path, "w") as f:
+        f.write(new)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,13 +409,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("recipe", nargs="?", help="YAML recipe to validate")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     p.add_argument("--reference", action="store_true", help="print the markdown table of every key")
-    p.add_argument("--update-readme", metavar="PATH", help="rewrite the reference table in PATH")
+    p.add_argument("--write-docs", metavar="PATH", help=f"write the configuration page ({CONFIGURATION_DOC}) to PATH")
     args = p.parse_args(argv)
     if args.reference:
         sys.stdout.write(reference_table())
         return 0
-    if args.update_readme:
-        print(f"{args.update_readme}: {'updated' if update_readme(args.update_readme) else 'already up to date'}")
+    if args.write_docs:
+        changed = write_configuration_page(args.write_docs)
+        print(f"{args.write_docs}: {'updated' if changed else 'already up to date'}")
         return 0
     try:
         cfg = load_config(args.recipe, args.overrides)

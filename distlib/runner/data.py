@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from distlib.errors import DistlibError
 
-class DataError(RuntimeError):
+
+class DataError(DistlibError, RuntimeError):
     """The data set is missing, unreadable or inconsistent."""
 
 
@@ -118,8 +120,14 @@ def _decode(root: str, layout: str, download: bool, scratch: str) -> ImageSet:
     if layout == "cifar10" or (layout == "missing" and download):
         from torchvision.datasets import CIFAR10
 
-        tr = CIFAR10(root, train=True, download=download)
-        te = CIFAR10(root, train=False, download=download)
+        try:
+            tr = CIFAR10(root, train=True, download=download)
+            te = CIFAR10(root, train=False, download=download)
+        except RuntimeError as e:  # torchvision's md5 check: a missing or altered file
+            raise DataError(
+                f"{os.path.join(root, _CIFAR_DIR)}: not torchvision's CIFAR-10 ({e}); "
+                "replace the folder with a complete copy, or let data.download=true fetch it"
+            ) from e
 
         def chw(a):
             return torch.from_numpy(a).permute(0, 3, 1, 2).contiguous()

@@ -142,17 +142,21 @@ class TrainingProgress:
 
     # -- the loop's calls ------------------------------------------------------------
 
-    def start(self, *, epochs: int, steps_per_epoch: int, images_per_step: int, start_epoch: int = 1) -> None:
-        """Begin the display; ``images_per_step`` is the global batch (all ranks)."""
+    def start(
+        self, *, epochs: int, steps_per_epoch: int, images_per_step: int, start_epoch: int = 1, start_step: int = 0
+    ) -> None:
+        """Begin the display; ``images_per_step`` is the global batch (all ranks). A resumed run
+        starts at epoch ``start_epoch`` (from 1), ``start_step`` steps into it."""
         if not self.enabled:
             return
         self.epochs = epochs
         self.steps_per_epoch = steps_per_epoch
         self.images_per_step = images_per_step
         self.epoch = start_epoch
-        self.total_steps = max(0, epochs - start_epoch + 1) * steps_per_epoch
+        self.total_steps = max(0, (epochs - start_epoch + 1) * steps_per_epoch - start_step)
         self.done = 0  # steps in this run
-        self.epoch_step = 0
+        self.epoch_step = start_step
+        self._epoch_first = start_step  # the epoch's steps before this run: not in its rate
         self.acc: float | None = None
         self.t_start = self.t_epoch = self.clock()
         self._next_draw = self.t_start + self.refresh_s
@@ -218,7 +222,7 @@ class TrainingProgress:
         else:
             self._print_plain(line)
         self.epoch = row["epoch"] + 1
-        self.epoch_step = 0
+        self.epoch_step = self._epoch_first = 0
         self.t_epoch = now
         self._next_plain = now + self.plain_every_s
 
@@ -259,7 +263,8 @@ class TrainingProgress:
         # Over the epoch so far, on the host clock. Without a sync the host may run a
         # few steps ahead of the device; over an epoch that error is small.
         dt = now - self.t_epoch
-        return self.epoch_step * self.images_per_step / dt if dt > 0 and self.epoch_step else float("nan")
+        steps = self.epoch_step - self._epoch_first
+        return steps * self.images_per_step / dt if dt > 0 and steps else float("nan")
 
     def _fields(self, now: float) -> dict[str, str]:
         rate = self._rate(now)

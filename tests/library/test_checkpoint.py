@@ -8,6 +8,7 @@ import os
 import random
 import struct
 
+import numpy as np
 import pytest
 import torch
 
@@ -76,9 +77,10 @@ def test_round_trip_restores_model_optimizer_schedule_rng_and_position(tmp_path)
     ck = Checkpointer(str(tmp_path / "ck"))
     random.seed(5)
     torch.manual_seed(7)
+    np.random.seed(9)
     path = ck.save(objects(model, opt, sched), epoch=2, step=5, global_step=21, fingerprint=fp, extra={"t": 1.5})
     assert os.path.basename(path) == "epoch0002-step000005.pt"
-    expected_rand, expected_py = torch.rand(3), random.random()
+    expected_rand, expected_py, expected_np = torch.rand(3), random.random(), np.random.random(3).tolist()
     reference = {k: v.clone() for k, v in model.state_dict().items()}
     ref_opt = copy.deepcopy(opt.state_dict())
     train_steps(model, opt, sched, 2)  # move everything away from the saved state
@@ -94,6 +96,7 @@ def test_round_trip_restores_model_optimizer_schedule_rng_and_position(tmp_path)
         assert torch.equal(o2.state_dict()["state"][i]["momentum_buffer"], st["momentum_buffer"])
     assert s2.last_epoch == 3 and o2.param_groups[0]["lr"] == ref_opt["param_groups"][0]["lr"]
     assert torch.equal(torch.rand(3), expected_rand) and random.random() == expected_py
+    assert np.random.random(3).tolist() == expected_np, "numpy's random state must be restored"
 
 
 def test_file_holds_only_tensors_and_plain_containers(tmp_path):

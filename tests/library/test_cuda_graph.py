@@ -46,14 +46,35 @@ def test_cpu_falls_back_to_eager_with_a_warning(caplog):
         CapturedStep(model, opt, lambda x: model(x).sum())
 
 
-def test_shutdown_releases_live_graphs_first():
-    class Fake:
-        closed = False
+class _FakeGraph:
+    """Stands in for a live CapturedStep: records whether the process group still existed when
+    it was released (a graph holding NCCL work must go before the group)."""
 
-        def close(self):
-            self.closed = True
+    def __init__(self):
+        self.group_alive_at_close: bool | None = None
 
-    fake = Fake()
+    def close(self):
+        import torch.distributed as dist
+
+        self.group_alive_at_close = dist.is_initialized()
+
+
+def _release_order(ctx):
+    import torch.distributed as dist
+
+    fake = _FakeGraph()
     cuda_graph._LIVE.add(fake)
-    distlib.shutdown()  # no process group: still releases graphs
-    assert fake.closed
+    distlib.shutdown()
+    return fake.group_alive_at_close, dist.is_initialized()
+
+
+def test_shutdown_releases_live_graphs_before_destroying_the_group():
+    from tests.conftest import run_ranks
+
+    for alive_at_close, alive_after in run_ranks(_release_order, 2):
+        assert alive_at_close is True, "the graph must be released while the group still exists"
+        assert alive_after is False
+    fake = _FakeGraph()  # no process group: still released
+    cuda_graph._LIVE.add(fake)
+    distlib.shutdown()
+    assert fake.group_alive_at_close is False

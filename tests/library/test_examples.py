@@ -76,14 +76,14 @@ def test_ddp_tutorial_port_ends_with_the_same_weights_as_ddp(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("diff") is None, reason="needs diff")
-def test_readme_shows_the_real_diff():
+def test_docs_show_the_real_diff():
     before, after = "examples/single_gpu/train.py", "examples/single_gpu/train_distlib.py"
     p = subprocess.run(["diff", "-u", "--label", before, "--label", after, before, after], cwd=ROOT,
                        capture_output=True, text=True)  # fmt: skip
     assert p.returncode == 1 and p.stdout  # 1: the files differ
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "examples.md")) as f:
         readme = f.read()
     marker = f"<!-- diff -u {before} {after} -->\n```diff\n"
-    assert marker in readme, "README.md lost the marked diff block"
+    assert marker in readme, "docs/examples.md lost the marked diff block"
     shown = readme.split(marker, 1)[1].split("```\n", 1)[0]
-    assert shown == p.stdout, "README.md's diff is stale: regenerate it with diff -u (see the marker)"
+    assert shown == p.stdout, "docs/examples.md's diff is stale: regenerate it with diff -u (see the marker)"

@@ -22,20 +22,44 @@ from tests.conftest import run_ranks
 from tests.library.test_checkpoint import make, objects
 
 
+class _Position:
+    """A RankStateful object: ``shared`` is saved once (rank 0's), ``own`` for each rank."""
+
+    def __init__(self, shared: int, own: torch.Tensor):
+        self.shared, self.own = shared, own
+
+    def state_dict(self) -> dict:
+        return {"shared": self.shared}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.shared = state["shared"]
+
+    def rank_state_dict(self) -> dict:
+        return {"own": self.own}
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        self.own = state["own"]
+
+
 def _per_rank_checkpoint(ctx, directory: str) -> dict:
     model, opt, sched = make()
+    position = _Position(5 + ctx.rank, torch.tensor(20.0 + ctx.rank))
     fp = fingerprint(model)
     ck = Checkpointer(directory, is_main=ctx.is_main)
     torch.manual_seed(100 + ctx.rank)  # RNG states differ per rank
     bn = model[0][1]
     bn.running_mean.fill_(float(ctx.rank))  # so do BatchNorm statistics, from each rank's own batches
-    path = ck.save(objects(model, opt, sched), epoch=1, step=3, global_step=7, fingerprint=fp,
+    path = ck.save({**objects(model, opt, sched), "position": position}, epoch=1, step=3, global_step=7, fingerprint=fp,
                    rank_extra={"loss_sum": torch.tensor(10.0 + ctx.rank)})  # fmt: skip
     expected = torch.rand(2)
     torch.manual_seed(999)
     bn.running_mean.fill_(-1.0)
-    resumed = Checkpointer(directory, is_main=ctx.is_main).load(objects(model, opt, sched), fingerprint=fp)
+    position = _Position(-1, torch.tensor(-1.0))
+    resumed = Checkpointer(directory, is_main=ctx.is_main).load(
+        {**objects(model, opt, sched), "position": position}, fingerprint=fp
+    )
     return {
+        "position": (position.shared, position.own.item()),
         "path": path,
         "loss_sum": resumed.rank_extra["loss_sum"].item(),
         "rng": torch.equal(torch.rand(2), expected),
@@ -117,6 +141,7 @@ def test_each_rank_gets_back_its_own_rng_buffers_and_values(two_ranks):
     r0, r1 = (r["checkpoint"] for r in two_ranks)
     assert r0["path"] is not None and r1["path"] is None  # only rank 0 writes
     assert (r0["loss_sum"], r1["loss_sum"]) == (10.0, 11.0)
+    assert (r0["position"], r1["position"]) == ((5, 20.0), (5, 21.0))  # state_dict rank 0's, rank_state_dict own
     assert r0["rng"] and r1["rng"]
     assert set(r0["bn"]) == {0.0} and set(r1["bn"]) == {1.0}
 

@@ -112,3 +112,91 @@ def test_dataloader_kwargs_pass_through_and_sampler_is_refused():
 def test_without_a_process_group_the_loader_sees_everything():
     loader = distlib.distributed_loader(dataset(10), batch_size=4, shuffle=False)
     assert indices(loader) == list(range(10))
+
+
+# ---- IterableDataset --------------------------------------------------------------------------
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """0..n-1 in order, or shuffled per epoch when ``shuffle`` (its set_epoch is called before each pass)."""
+
+    def __init__(self, n: int, shuffle: bool = False):
+        self.n, self.shuffle, self.epoch = n, shuffle, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        if not self.shuffle:
+            return iter(range(self.n))
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist())
+
+
+class SizedStream(Stream):
+    def __len__(self) -> int:
+        return self.n
+
+
+def stream_loaders(ds, world: int, **kwargs) -> list:
+    return [distlib.distributed_loader(ds, batch_size=3, num_replicas=world, rank=r, **kwargs) for r in range(world)]
+
+
+def samples(loader) -> list[int]:
+    return [int(i) for batch in loader for i in batch]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("n", [23, 4])
+def test_iterable_every_sample_once_over_ranks_and_workers(workers, n):
+    loaders = stream_loaders(Stream(n), 2, num_workers=workers)
+    shards = [samples(loader) for loader in loaders]
+    assert sorted(itertools.chain(*shards)) == list(range(n))  # no duplicates, none lost
+    assert len(shards[0]) + len(shards[1]) == n
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterable_epochs_reach_the_dataset_in_the_workers(workers):
+    n = 30
+    loaders = stream_loaders(Stream(n, shuffle=True), 2, num_workers=workers)
+    epochs = []
+    for _epoch in range(3):
+        shards = [samples(loader) for loader in loaders]
+        assert sorted(itertools.chain(*shards)) == list(range(n))
+        epochs.append(shards)
+    assert epochs[0] != epochs[1] != epochs[2] != epochs[0]  # the order changes with the epoch
+    assert [loader.epoch for loader in loaders] == [3, 3]
+    loaders[0].set_epoch(1)  # a resumed run
+    assert samples(loaders[0]) == epochs[1][0]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_iterable_len_is_the_batches_of_this_rank(workers, drop_last):
+    # 22 and 26 samples: each worker's short last batch (or the dropped one) counts separately
+    for n in (22, 26):
+        for loader in stream_loaders(SizedStream(n), 2, num_workers=workers, drop_last=drop_last):
+            assert len(loader) == sum(1 for _ in loader)
+    (unsized,) = stream_loaders(Stream(23), 1)
+    with pytest.raises(TypeError, match=r"a loader over an IterableDataset \(Stream\) without __len__ has no length"):
+        len(unsized)
+    assert isinstance(unsized.dataset, Stream)
+
+
+def test_iterable_refuses_what_cannot_work():
+    with pytest.raises(ValueError, match=r"shuffle=True cannot reorder an IterableDataset \(Stream\)"):
+        distlib.distributed_loader(Stream(4), batch_size=2, shuffle=True)
+    with pytest.raises(ValueError, match=r"persistent_workers=True .* set_epoch would never reach the workers"):
+        distlib.distributed_loader(Stream(4), batch_size=2, num_workers=1, persistent_workers=True)
+
+
+def test_exact_shuffle_follows_the_seed():
+    def orders(seed: int) -> list[list[int]]:
+        return [indices(loader) for loader in rank_loaders(30, 3, shuffle=True, exact=True, seed=seed)]
+
+    assert orders(0) != orders(1), "another seed must give another order"
+    assert orders(1) == orders(1), "the same seed must give the same order"
+    # the exact sampler deals the same permutation as DistributedSampler with that seed
+    perm = [None] * 30
+    for r, shard in enumerate(orders(7)):
+        perm[r::3] = shard
+    assert perm == torch.randperm(30, generator=torch.Generator().manual_seed(7)).tolist()

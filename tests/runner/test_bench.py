@@ -1,20 +1,24 @@
-"""python -m distlib.bench: the CLI, and a tiny run on two gloo ranks through torchrun."""
+"""The benchmarks in bench/ (not part of the library): bench.step's CLI and a tiny run on two gloo
+ranks through torchrun, and the fallback mode's harness on CPU replicas."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
+from torch import nn
 
-from distlib.bench import MODES, bucket_bounds, parse_args
+from bench.step import MODES, bucket_bounds, parse_args
 from tests.conftest import ROOT
 
 
 def test_help_lists_the_subcommands():
-    out = subprocess.run([sys.executable, "-m", "distlib.bench", "--help"], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "bench/step.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     for word in ("allreduce", "step", "all", "bus bandwidth"):
         assert word in out.stdout
@@ -48,7 +52,7 @@ def test_tiny_run_on_two_gloo_ranks(tmp_path):
         "--standalone",
         "--nproc-per-node=2",
         "-m",
-        "distlib.bench",
+        "bench.step",
         "all",
         "--device=cpu",
         "--sizes-mb=0.0625,0.25",
@@ -60,7 +64,7 @@ def test_tiny_run_on_two_gloo_ranks(tmp_path):
         "--image-size=16",
         "--steps=2",
         "--warmup=1",
-        "--modes=single-eager,ddp-eager,distlib-eager,distlib-graph,fallback",
+        "--modes=single-eager,ddp-eager,ddp-compile,distlib-eager,distlib-graph,fallback",
         "--bucket-mb=0.05",  # several buckets, so that they go to several communicators
         "--first-bucket-mb=0.01",
         "--groups=1,2",
@@ -85,8 +89,9 @@ def test_tiny_run_on_two_gloo_ranks(tmp_path):
     assert steps["distlib-eager"]["world"] == 2 and steps["distlib-eager"]["images_per_s"] > 0
     assert steps["distlib-eager:g2"]["images_per_s"] > 0 and steps["distlib-eager:g2"]["extra"]["comm_groups"] == 2
     assert "CUDA graphs need a GPU" in steps["distlib-graph:g2"]["note"]
+    assert "CUDA graphs need a GPU" in steps["ddp-compile"]["note"]
     assert steps["single-eager"]["world"] == 1
-    assert steps["fallback"]["note"]  # the slot for issue 4's mode: one process for all GPUs
+    assert steps["fallback"]["note"]  # the slot for the fallback mode: one process for all GPUs
     ar = res["allreduce"]
     assert [r["bytes"] for r in ar["rows"]] == [65536, 262144]
     assert [r["buckets"] for r in ar["rows"]] == [3, 6]  # 0.01 MB, then 0.05 MB each
@@ -96,15 +101,49 @@ def test_tiny_run_on_two_gloo_ranks(tmp_path):
     assert res["environment"]["world_size"] == 2
 
 
+def test_fallback_benchmark_and_breakdown_run_on_cpu_replicas(monkeypatch):
+    from bench.fallback_bench import benchmark_step, step_breakdown
+    from distlib import Replicas
+
+    def net():
+        return nn.Sequential(nn.Conv2d(3, 4, 3, stride=4), nn.Flatten(), nn.Linear(4 * 8 * 8, 10))
+
+    built: list[nn.Module] = []
+
+    def tracked():
+        built.append(net())
+        return built[-1]
+
+    steps: list[int] = []
+    original = Replicas.train_step
+
+    def counting(self, *args, **kwargs):
+        steps.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Replicas, "train_step", counting)
+    ips = benchmark_step(4, steps=2, warmup=1, devices=["cpu", "cpu"], cuda_graph=False, model_fn=tracked)
+    assert len(steps) == 3, "warm-up plus timed steps"
+    assert math.isfinite(ips) and ips > 0
+    torch.manual_seed(0)  # the benchmark's seed: the same initial weights
+    fresh = net()
+    assert any(not torch.equal(p, q) for p, q in zip(built[0].parameters(), fresh.parameters())), "it must train"
+    rows = step_breakdown(4, 2, devices=["cpu", "cpu"], cuda_graph=False, model_fn=tracked)
+    expected = {"broadcast_parameters", "scatter", "reduce_gradients", "step", "  forward_backward of GPU 0 alone"}
+    assert expected <= set(rows)
+    for phase, (host, done) in rows.items():
+        assert 0 <= host <= done, (phase, host, done)  # the launches return before every device has finished
+
+
 def test_compile_modes_on_two_gloo_ranks(tmp_path):
-    """distlib-compile and ddp-compile run (aot_eager: AOTAutograd without inductor's C++ build);
-    reduce-overhead is reported as needing a GPU."""
+    """distlib-compile and ddp-compile-default run (aot_eager: AOTAutograd without inductor's C++
+    build), distlib-compile with several buckets, so with its graph cut."""
     cmd = [
         os.path.join(os.path.dirname(sys.executable), "torchrun"),
         "--standalone",
         "--nproc-per-node=2",
         "-m",
-        "distlib.bench",
+        "bench.step",
         "step",
         "--device=cpu",
         "--model=small_cnn",
@@ -113,7 +152,7 @@ def test_compile_modes_on_two_gloo_ranks(tmp_path):
         "--image-size=16",
         "--steps=2",
         "--warmup=1",
-        "--modes=distlib-compile,ddp-compile,ddp-reduce-overhead",
+        "--modes=distlib-compile,ddp-compile-default",
         "--compile-backend=aot_eager",
         "--bucket-mb=1",  # torch.compile(DDP) needs buckets of >= 1 MB (its first bucket's size)
         "--first-bucket-mb=0.002",
@@ -123,7 +162,6 @@ def test_compile_modes_on_two_gloo_ranks(tmp_path):
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["mode"]: r for r in json.loads((tmp_path / "bench.json").read_text())["step"]}
-    for mode in ("distlib-compile", "ddp-compile"):
+    for mode in ("distlib-compile", "ddp-compile-default"):
         assert not rows[mode]["note"] and rows[mode]["images_per_s"] > 0, rows[mode]
-    assert len(rows["distlib-compile"]["extra"]["bucket_mb"]) > 1  # several buckets: the graph is split
-    assert "needs a GPU" in rows["ddp-reduce-overhead"]["note"]
+    assert len(rows["distlib-compile"]["extra"]["bucket_mb"]) > 1

@@ -54,10 +54,21 @@ def test_recipe_is_a_directory(tmp_path):
 def test_unknown_key_gives_dotted_path_and_valid_keys(tmp_path):
     (p,) = problems(write(tmp_path, "train:\n  epoch: 3\n"))
     assert p.startswith("train.epoch: unknown key (valid keys here: epochs, batch_size, optimizer, lr,")
+    assert p.endswith("; did you mean 'epochs'?")
     (p,) = problems(write(tmp_path, "data:\n  augment:\n    flips: none\n"))
-    assert p == "data.augment.flips: unknown key (valid keys here: crop_pad, flip, cutout)"
+    assert p == "data.augment.flips: unknown key (valid keys here: crop_pad, flip, cutout); did you mean 'flip'?"
     (p,) = problems(write(tmp_path, "trian:\n  epochs: 3\n"))
-    assert p == "trian: unknown key (valid keys here: data, model, train, dist, run, profile)"
+    assert p == "trian: unknown key (valid keys here: data, model, train, dist, run, profile); did you mean 'train'?"
+    (p,) = problems(None, ["model.zzz=1"])  # nothing close: no guess
+    assert p == "model.zzz: unknown key (valid keys here: name, width, num_classes, channels_last)"
+
+
+def test_misspelt_keys_get_a_guess_and_every_problem_at_once():
+    found = problems(None, ["train.batchsize=64", "dist.comm_group=2", "train.lr=fast", "model.widht=8"])
+    assert [p.split(":")[0] for p in found] == ["train.batchsize", "dist.comm_group", "train.lr", "model.widht"]
+    assert found[0].endswith("did you mean 'batch_size'?")
+    assert found[1].endswith("did you mean 'comm_groups'?")
+    assert found[3].endswith("did you mean 'width'?")
 
 
 @pytest.mark.parametrize(
@@ -189,3 +200,90 @@ def test_config_cli_validates_and_prints(tmp_path):
         timeout=120,
     )
     assert bad.returncode == 2 and "missing.yaml" in bad.stderr and "no such file" in bad.stderr
+
+
+# ---- every bounded key: at the bound, just outside, and its type ---------------------------
+POSITIVE = {  # must be > 0
+    "train.epochs": int, "train.batch_size": int, "train.grad_accum": int, "train.eval_every": int,
+    "profile.active": int, "dist.timeout_s": float, "dist.bucket_mb": float, "dist.comm_groups": int,
+    "model.width": int, "model.num_classes": int, "run.keep_checkpoints": int,
+}  # fmt: skip
+NON_NEGATIVE = {  # must be >= 0
+    "train.lr": float, "train.weight_decay": float, "profile.wait": int, "profile.warmup": int,
+    "data.train_subset": int, "data.augment.crop_pad": int, "data.augment.cutout": int,
+    "run.checkpoint_every": int, "train.prewarm_steps": int, "train.tta_translate": int,
+}  # fmt: skip
+UNIT = ["train.warmup_frac", "train.ema", "train.label_smoothing", "train.momentum"]  # in [0, 1)
+UNBOUNDED = {"train.seed": int}
+
+
+def _numeric_keys() -> dict[str, type]:
+    import dataclasses
+    import typing
+
+    out = {}
+
+    def walk(obj, prefix):
+        hints = typing.get_type_hints(type(obj))
+        for f in dataclasses.fields(obj):
+            path = f"{prefix}.{f.name}" if prefix else f.name
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(getattr(obj, f.name), path)
+            elif hints[f.name] in (int, float):
+                out[path] = hints[f.name]
+
+    walk(Config(), "")
+    return out
+
+
+def test_every_numeric_key_has_its_range_tested():
+    expected = {**POSITIVE, **NON_NEGATIVE, **dict.fromkeys(UNIT, float), **UNBOUNDED}
+    assert _numeric_keys() == expected, "a new numeric key: add it to one of the range tables above"
+
+
+def _get(cfg, key):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+@pytest.mark.parametrize("key", list(POSITIVE))
+def test_positive_keys(key):
+    assert problems(None, [f"{key}=0"]) == [f"{key}: must be > 0, got {POSITIVE[key](0)!r}"]
+    assert problems(None, [f"{key}=-1"]) == [f"{key}: must be > 0, got {POSITIVE[key](-1)!r}"]
+    smallest = 1 if POSITIVE[key] is int else 1e-3
+    assert _get(load_config(None, [f"{key}={smallest}"]), key) == smallest
+
+
+@pytest.mark.parametrize("key", list(NON_NEGATIVE))
+def test_non_negative_keys(key):
+    tp = NON_NEGATIVE[key]
+    assert problems(None, [f"{key}=-1"]) == [f"{key}: must be >= 0, got {tp(-1)!r}"]
+    assert _get(load_config(None, [f"{key}=0"]), key) == 0
+
+
+@pytest.mark.parametrize("key", UNIT)
+def test_unit_interval_keys(key):
+    for bad in ("1.0", "1", "-0.01", "1.5"):
+        assert problems(None, [f"{key}={bad}"]) == [f"{key}: must be in [0, 1), got {float(bad)!r}"], bad
+    assert _get(load_config(None, [f"{key}=0"]), key) == 0.0
+    assert _get(load_config(None, [f"{key}=0.999"]), key) == 0.999
+
+
+@pytest.mark.parametrize("key", [*POSITIVE, *NON_NEGATIVE, *UNIT, *UNBOUNDED])
+def test_numeric_keys_refuse_other_types(key, tmp_path):
+    tp = {**POSITIVE, **NON_NEGATIVE, **dict.fromkeys(UNIT, float), **UNBOUNDED}[key]
+    name = tp.__name__
+    section, _, leaf = key.rpartition(".")
+    nested = "".join(f"{'  ' * i}{part}:\n" for i, part in enumerate(section.split(".")))
+    indent = "  " * len(section.split("."))
+    for text, shown in (("true", "True"), ("false", "False"), ("fast", "'fast'")):  # YAML bools are no numbers
+        recipe = write(tmp_path, f"{nested}{indent}{leaf}: {text}\n")
+        assert problems(recipe) == [f"{key}: expected {name}, got {shown}"], text
+        assert problems(None, [f"{key}={text}"]) == [f"{key}: expected {name}, got {shown}"], text
+    if tp is int:
+        assert problems(None, [f"{key}=1.5"]) == [f"{key}: expected int, got 1.5"]
+    else:
+        for text in (".nan", ".inf", "-.inf"):
+            (p,) = problems(None, [f"{key}={text}"])
+            assert p.startswith(f"{key}: expected a finite float, got "), p

@@ -155,3 +155,16 @@ def test_format_duration_and_empty_summary():
     assert format_duration(float("nan")) == "-"
     assert summarize([]) == []
     assert ("final accuracy", "-") not in summarize(ROWS[:1])
+
+
+def test_a_resumed_run_counts_from_where_it_resumed():
+    clock = FakeClock()
+    p = TrainingProgress("plain", console=plain_console(), clock=clock, refresh_s=0.0, plain_every_s=0.0)
+    p.start(epochs=4, steps_per_epoch=10, images_per_step=100, start_epoch=3, start_step=5)
+    assert p.total_steps == 15  # the 5 left of epoch 3 and the 10 of epoch 4
+    clock.t += 1.0
+    p.step(1.0)
+    line = p.console.file.getvalue().splitlines()[-1]
+    assert line.startswith("epoch 3/4 step 6/10"), line
+    assert "100 img/s" in line  # the one step of this run, not the 5 before it
+    assert p._left(clock.t) == pytest.approx(14.0)  # 1 s a step, 14 steps to go

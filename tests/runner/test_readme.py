@@ -1,12 +1,18 @@
-"""README.md stays true: its config reference is the generated one, its commands exist."""
+"""README.md and docs/ stay true: the configuration page is the generated one, the two commands
+exist, the README stays a front door, and every relative link leads to a file."""
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 
-from distlib.runner.config import REFERENCE_BEGIN, REFERENCE_END, reference_table
+from distlib.runner.config import CONFIGURATION_DOC, configuration_page
 from tests.conftest import ROOT
+
+README_MAX_LINES = 200
+# [text](target) outside code; the target up to the first space, ")" or "#"
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s#]*)(?:#[^)\s]*)?(?:\s[^)]*)?\)")
 
 
 def read(name: str) -> str:
@@ -14,17 +20,12 @@ def read(name: str) -> str:
         return f.read()
 
 
-def test_config_reference_is_current():
-    text = read("README.md")
-    assert REFERENCE_BEGIN in text and REFERENCE_END in text
-    table = text.split(REFERENCE_BEGIN, 1)[1].split(REFERENCE_END, 1)[0].strip()
-    assert table == reference_table().strip(), "README's config reference is stale: run `make reference`"
+def test_configuration_page_is_what_the_generator_writes():
+    assert read(CONFIGURATION_DOC) == configuration_page(), f"{CONFIGURATION_DOC} is stale: run `make reference`"
 
 
-def test_every_key_is_in_the_reference():
-    table = reference_table()
-    for key in ("train.epochs", "run.out_dir", "dist.timeout_s", "dist.backend", "data.root"):
-        assert f"| `{key}` |" in table
+def test_make_reference_writes_the_configuration_page():
+    assert re.search(rf"^reference:.*\n\t.*--write-docs {re.escape(CONFIGURATION_DOC)}$", read("Makefile"), re.M)
 
 
 def test_the_two_commands_are_make_targets_and_ci_runs_the_test_command():
@@ -33,3 +34,31 @@ def test_the_two_commands_are_make_targets_and_ci_runs_the_test_command():
         assert f"make {target}" in readme
         assert re.search(rf"^{target}:", makefile, re.M)
     assert re.search(r"^PYTEST_ADDOPTS=.* make test$", ci, re.M)
+
+
+def test_readme_is_a_front_door():
+    lines = read("README.md").count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES}): move text to docs/"
+
+
+def links(text: str) -> list[str]:
+    """Relative link targets of a markdown text, fenced code blocks left out."""
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    return [t for t in LINK.findall(prose) if t and not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+
+
+def test_links_finds_relative_targets_only():
+    text = "[a](docs/x.md) [b](https://e.org) [c](y.md#part) [d](#top)\n```\n[e](z.md)\n```\n"
+    assert links(text) == ["docs/x.md", "y.md"]
+
+
+def test_every_relative_link_leads_to_a_file():
+    pages = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    assert len(pages) > 1, "docs/ has no pages"
+    broken = []
+    for page in pages:
+        for target in links(read(page)):
+            path = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), target))
+            if not os.path.exists(path):
+                broken.append(f"{page}: {target}")
+    assert not broken, "links to missing files:\n" + "\n".join(broken)

@@ -1,10 +1,10 @@
-"""Benchmarks: all_reduce bus bandwidth and training-step throughput.
+"""Benchmarks: all_reduce bus bandwidth and training-step throughput (from the repository root).
 
-    torchrun --nproc-per-node=2 -m distlib.bench all          # both, on 2 GPUs (NCCL)
-    torchrun --nproc-per-node=2 -m distlib.bench allreduce    # bus bandwidth table, like nccl-tests
-    torchrun --nproc-per-node=2 -m distlib.bench step         # ResNet18-CIFAR images/s per mode
-    python -m distlib.bench step --modes single-eager,single-graph   # one process
-    python -m distlib.bench step --modes fallback             # one process driving every GPU
+    torchrun --nproc-per-node=2 -m bench.step all             # both, on 2 GPUs (NCCL)
+    torchrun --nproc-per-node=2 -m bench.step allreduce       # bus bandwidth table, like nccl-tests
+    torchrun --nproc-per-node=2 -m bench.step step            # ResNet18-CIFAR images/s per mode
+    python bench/step.py step --modes single-eager,single-graph   # one process
+    python bench/step.py step --modes fallback                # one process driving every GPU
 
 allreduce: raw ``torch.distributed.all_reduce`` of one buffer against GradSync's bucketed
 all_reduce of the same bytes (a small first bucket, then ``--bucket-mb`` each, launched back to
@@ -15,12 +15,14 @@ bytes * 2 (n - 1) / n / time.
 
 step: training images/s on synthetic data kept on the device (bf16 autocast and channels_last on
 GPUs), ``--batch`` images per GPU, for the modes single-eager, single-graph (one GPU each, every
-rank alone), ddp-eager (DistributedDataParallel, the anchor), distlib-eager, distlib-graph
+rank alone), ddp-eager (DistributedDataParallel, the anchor), ddp-compile (DDP under
+torch.compile(mode="reduce-overhead"), i.e. with CUDA graphs; GPUs only), distlib-eager, distlib-graph
 (GradSync, without and with whole-step CUDA graph capture; once per ``--comm-groups`` value, the
 rows of n > 1 named e.g. ``distlib-graph:g2``), fallback (one process drives all its GPUs:
-distlib.comm_fallback, issue 4), and the torch.compile modes distlib-compile (GradSync through
-``distlib.compile_for_sync``), ddp-compile (``torch.compile(DDP(model))``) and ddp-reduce-overhead
-(the same with ``mode="reduce-overhead"``). Runs on CPU/gloo too, with small sizes.
+distlib.Replicas, timed by bench/fallback_bench.py), distlib-compile (GradSync around
+``distlib.compile_for_sync(model, sync)``: compiled, bucket all_reduces still overlapped) and
+ddp-compile-default (``torch.compile(DDP(model))``, default mode). Runs on CPU/gloo too, with
+small sizes.
 
 The last lines printed are a short summary table; ``--json PATH`` writes every result.
 """
@@ -36,22 +38,29 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
+if __package__ in (None, ""):  # run as `python bench/step.py`: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import distlib
-from distlib.collectives import comm_groups
-from distlib.cuda_graph import CapturedStep
-from distlib.grad_sync import GradSync
-from distlib.runner.models import build_model
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
-# torch.compile'd models: GradSync through distlib.compile_for_sync, DDP under torch.compile (its
-# DDPOptimizer splits the graph at DDP's buckets), DDP under compile(mode="reduce-overhead")
-COMPILE_MODES = ("distlib-compile", "ddp-compile", "ddp-reduce-overhead")
-MODES = ("single-eager", "single-graph", "ddp-eager", "distlib-eager", "distlib-graph", "fallback", *COMPILE_MODES)
-MULTI_RANK = ("ddp-eager", "distlib-eager", "distlib-graph", *COMPILE_MODES)
+import distlib  # noqa: E402
+from distlib import buckets  # noqa: E402
+from distlib.collectives import comm_groups  # noqa: E402
+from distlib.cuda_graph import CapturedStep  # noqa: E402
+from distlib.grad_sync import GradSync  # noqa: E402
+from distlib.runner.environment import collect_environment  # noqa: E402
+from distlib.runner.models import build_model  # noqa: E402
+
+# torch.compile (default mode) of GradSync's model through compile_for_sync, and of DDP (DDPOptimizer)
+COMPILE_MODES = ("distlib-compile", "ddp-compile-default")
+MODES = (
+    "single-eager", "single-graph", "ddp-eager", "ddp-compile", "distlib-eager", "distlib-graph", "fallback",
+    *COMPILE_MODES,
+)  # fmt: skip
+MULTI_RANK = ("ddp-eager", "ddp-compile", "distlib-eager", "distlib-graph", *COMPILE_MODES)
 _MB = 2**20
 
 
@@ -90,14 +99,7 @@ def _busbw(nbytes: int, seconds: float, world: int) -> float:
 
 def bucket_bounds(numel: int, element_size: int, bucket_mb: float, first_bucket_mb: float) -> list[tuple[int, int]]:
     """(start, stop) element ranges of a flat buffer cut as GradSync cuts its buckets."""
-    bounds, start = [], 0
-    cap = int(first_bucket_mb * _MB) // element_size
-    while start < numel:
-        stop = min(numel, start + max(cap, 1))
-        bounds.append((start, stop))
-        start = stop
-        cap = int(bucket_mb * _MB) // element_size
-    return bounds
+    return buckets.bounds(numel, element_size, int(bucket_mb * _MB), int(first_bucket_mb * _MB))
 
 
 def _watchdog(seconds: float) -> None:
@@ -292,15 +294,12 @@ def _loss_fn(model: nn.Module, device: torch.device, bf16: bool) -> Callable[...
 
 
 def _run_compiled_mode(mode: str, args, ctx, groups: int = 1) -> StepResult:
-    """One of COMPILE_MODES: an eager-style step around a torch.compile'd model (compilation happens
-    in the warm-up steps)."""
+    """One of COMPILE_MODES: the eager step around a torch.compile'd model (compiled in the warm-up)."""
     from distlib.compile import compile_for_sync
 
     device, world = ctx.device, ctx.world_size
     if world < 2:
         raise BenchUnavailable("needs >= 2 ranks (torchrun --nproc-per-node=N)")
-    if mode == "ddp-reduce-overhead" and device.type != "cuda":
-        raise BenchUnavailable("reduce-overhead is CUDA graphs: needs a GPU")
     model, opt = _build(args, device, fused=False)
     x, y = _make_inputs(args, device)
     sync = None
@@ -312,10 +311,7 @@ def _run_compiled_mode(mode: str, args, ctx, groups: int = 1) -> StepResult:
         ddp = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=args.bucket_mb
         )
-        if mode == "ddp-reduce-overhead":
-            net = torch.compile(ddp, mode="reduce-overhead")  # inductor's: CUDA graphs
-        else:
-            net = torch.compile(ddp, backend=args.compile_backend)
+        net = torch.compile(ddp, backend=args.compile_backend)
     loss_fn = _loss_fn(net, device, args.precision == "bf16" and device.type == "cuda")
 
     def step():
@@ -345,17 +341,19 @@ def _run_mode(mode: str, args, ctx, groups: int = 1) -> StepResult:
     graph = mode.endswith("graph")
     if mode in MULTI_RANK and world < 2:
         raise BenchUnavailable("needs >= 2 ranks (torchrun --nproc-per-node=N)")
-    if graph and device.type != "cuda":
+    if (graph or mode == "ddp-compile") and device.type != "cuda":
         raise BenchUnavailable("CUDA graphs need a GPU")
     model, opt = _build(args, device, fused=graph)
     x, y = _make_inputs(args, device)
     sync = None
     net = model
     extra: dict = {}
-    if mode == "ddp-eager":
+    if mode in ("ddp-eager", "ddp-compile"):
         net = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=args.bucket_mb
         )
+        if mode == "ddp-compile":  # the strongest stock baseline: compiled, with CUDA graphs
+            net = torch.compile(net, mode="reduce-overhead")
     elif mode.startswith("distlib"):
         sync = GradSync(model, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb, comm_groups=groups)
     loss_fn = _loss_fn(net, device, bf16)
@@ -368,6 +366,8 @@ def _run_mode(mode: str, args, ctx, groups: int = 1) -> StepResult:
     else:
 
         def step():
+            if mode == "ddp-compile":  # a new step for the CUDA graph trees: the last outputs are dead
+                torch.compiler.cudagraph_mark_step_begin()
             loss = loss_fn(x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -390,13 +390,11 @@ def _run_mode(mode: str, args, ctx, groups: int = 1) -> StepResult:
 
 
 def fallback_step(args: argparse.Namespace) -> StepResult:
-    """The fallback mode of issue 4: one process drives every GPU of its node (torch.cuda.comm),
-    measured by ``distlib.comm_fallback.benchmark_step`` (with its per-GPU CUDA graphs). Reports
-    'not available' where that module or a GPU is missing."""
-    try:
-        from distlib.comm_fallback import benchmark_step
-    except ImportError:
-        raise BenchUnavailable("not available: distlib.comm_fallback.benchmark_step does not exist here") from None
+    """The fallback mode: one process drives every GPU of its node (torch.cuda.comm), measured
+    by ``bench.fallback_bench.benchmark_step`` (with its per-GPU CUDA graphs). Reports
+    'not available' where no GPU is visible."""
+    from bench.fallback_bench import benchmark_step
+
     gpus = torch.cuda.device_count()
     if gpus == 0:
         raise BenchUnavailable("not available: the fallback mode drives GPUs and none is visible")
@@ -423,8 +421,15 @@ def bench_step(args: argparse.Namespace, ctx) -> list[StepResult]:
         try:
             if mode == "fallback":
                 if ctx.world_size > 1:
-                    raise BenchUnavailable("one process for all GPUs: `python -m distlib.bench step --modes fallback`")
+                    raise BenchUnavailable("one process for all GPUs: `python -m bench.step step --modes fallback`")
                 res = fallback_step(args)
+            elif mode == "ddp-compile" or mode in COMPILE_MODES:
+                try:  # a compiler failure (no triton, an unsupported op) is this row's note, not fatal
+                    res = _run_mode(mode, args, ctx, groups)
+                except BenchUnavailable:
+                    raise
+                except Exception as e:
+                    raise BenchUnavailable(f"torch.compile failed: {type(e).__name__}: {str(e)[:200]}") from e
             else:
                 res = _run_mode(mode, args, ctx, groups)
         except BenchUnavailable as e:
@@ -461,7 +466,7 @@ def format_step(results: list[StepResult], args) -> str:
 
 # ---- summary, environment, CLI --------------------------------------------------------------
 def summary(out: dict) -> list[tuple[str, str]]:
-    """The issue's targets, measured (only what this run measured)."""
+    """The targets, measured (only what this run measured)."""
     rows = []
     steps = {r["mode"]: r for r in out.get("step", []) if not r["note"]}
     if "ddp-eager" in steps and "distlib-eager" in steps:
@@ -491,24 +496,6 @@ def summary(out: dict) -> list[tuple[str, str]]:
             label = f"synthetic model: GradSync sync ({m['groups']} communicator(s)) / one raw all_reduce"
             rows.append((label, f"{m['ratio']:.3f}"))
     return rows
-
-
-def environment(ctx) -> dict:
-    env = {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "world_size": ctx.world_size,
-        "backend": ctx.backend,
-        "device": str(ctx.device),
-    }
-    if torch.cuda.is_available():
-        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        try:
-            version = torch.cuda.nccl.version()
-            env["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-        except Exception:  # a build without NCCL
-            env["nccl"] = None
-    return env
 
 
 def _floats(text: str) -> list[float]:
@@ -562,7 +549,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     st.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="autocast dtype on GPUs")
     st.add_argument("--no-channels-last", dest="channels_last", action="store_false")
     st.add_argument(
-        "--compile-backend", default="inductor", help="torch.compile backend of distlib-compile, ddp-compile"
+        "--compile-backend", default="inductor", help="torch.compile backend of distlib-compile, ddp-compile-default"
     )
     st.add_argument(
         "--comm-groups",
@@ -572,7 +559,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
 
     p = argparse.ArgumentParser(
-        prog="python -m distlib.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.step", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("allreduce", parents=[common, ar], help="all_reduce bus bandwidth: raw vs GradSync's buckets")
@@ -589,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     backend = {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}[args.device]
     ctx = distlib.init(backend, timeout_s=max(600.0, args.hang_timeout_s))
-    out: dict = {"environment": environment(ctx), "command": args.command, "args": vars(args)}
+    out: dict = {"environment": collect_environment(ctx), "command": args.command, "args": vars(args)}
     texts = []
     try:
         if args.command in ("allreduce", "all"):

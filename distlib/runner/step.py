@@ -1,0 +1,157 @@
+"""One training step, whichever way gradients are synced: ``loss = step(x, y)``.
+
+The trainer sees only ``TrainStep``; ``build_step`` alone picks the implementation from
+``dist.mode``:
+
+- ``process_per_gpu``: ``GradSyncStep``, one process per GPU with distlib.GradSync, run
+  eagerly (``grad_accum`` micro-steps, communication on the last only) or replayed as one
+  CUDA graph (``train.cuda_graph``, distlib/cuda_graph.py);
+- ``fallback``: ``ReplicasStep``, one process drives every GPU of its node (distlib.Replicas,
+  distlib/comm_fallback.py).
+
+Every step runs forward, backward, the gradient sync and the optimizer step, and returns this
+rank's mean loss (not synced). Calling a step is a collective: every rank must call it alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import distlib
+from distlib.comm_fallback import Replicas, node_devices
+from distlib.cuda_graph import build_train_step
+from distlib.process_group import Context, EnvError
+from distlib.runner.config import Config, ConfigError
+from distlib.runner.warmup import warm_up
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class TrainStep:
+    """``loss = step(x, y)``: one optimizer step on this rank's batch."""
+
+    optimizer: torch.optim.Optimizer
+    modules: list[nn.Module]  # every module the step changes (the model and any replicas of it)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def warm_up(self, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
+        """Run ``steps`` real steps on ``(x, y)`` (cuDNN autotuning, lazy set-up, graph capture),
+        then put the weights, buffers and optimizer state back as they were. A collective."""
+        warm_up(lambda: self(x, y), self.modules, self.optimizer, steps)
+
+    def sync_buffers(self) -> None:
+        """Bring the buffers of every device this process drives into the model, before it is
+        evaluated or saved. A collective."""
+
+    def close(self) -> None:
+        """Release what the step holds (hooks, graphs); before the process group goes."""
+
+
+class GradSyncStep(TrainStep):
+    """One process per GPU: GradSync all_reduces the gradients in buckets during the backward."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sync: distlib.GradSync,
+        loss_of: LossFn,  # (inputs, targets) -> mean loss, the model's forward inside
+        *,
+        grad_accum: int = 1,
+        cuda_graph: bool = False,
+    ):
+        self.model, self.optimizer, self.sync, self.loss_of = model, optimizer, sync, loss_of
+        self.modules = [model]
+        self.grad_accum = grad_accum
+        # the whole step as one CUDA graph, or None: eager (with a warning saying why, if it was asked for)
+        self.graph = build_train_step(cuda_graph, model, optimizer, loss_of, sync, grad_accum=grad_accum)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.graph is not None:  # forward, backward, all_reduce and SGD: one graph replay
+            return self.graph(x, y)
+        n = self.grad_accum
+        micro = x.shape[0] // n
+        loss = torch.zeros((), device=x.device)
+        for k in range(n):
+            with contextlib.nullcontext() if k == n - 1 else self.sync.no_sync():
+                micro_loss = self.loss_of(x[k * micro : (k + 1) * micro], y[k * micro : (k + 1) * micro])
+                (micro_loss / n).backward()
+                self.sync.wait()
+            loss += micro_loss.detach() / n
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def close(self) -> None:
+        if self.graph is not None:
+            self.graph.close()
+        self.sync.close()
+
+
+class ReplicasStep(TrainStep):
+    """One process per node: the batch is split over the node's GPUs and the root replica
+    gets the gradients averaged over every GPU of every node."""
+
+    def __init__(
+        self,
+        replicas: Replicas,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,  # (outputs, targets) -> mean loss of a shard
+        *,
+        autocast_dtype: torch.dtype | None,
+        grad_accum: int = 1,
+    ):
+        self.replicas, self.optimizer, self.loss_fn = replicas, optimizer, loss_fn
+        self.modules = list(replicas.models)
+        self.autocast_dtype = autocast_dtype
+        self.grad_accum = grad_accum
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.replicas.train_step(
+            x, y, self.loss_fn, autocast_dtype=self.autocast_dtype, grad_accum=self.grad_accum
+        )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def sync_buffers(self) -> None:
+        self.replicas.sync_buffers()  # BatchNorm statistics averaged over every GPU into the root
+
+
+def build_step(
+    cfg: Config, ctx: Context, model: nn.Module, optimizer: torch.optim.Optimizer, per_rank: int
+) -> TrainStep:
+    """The step for ``cfg.dist.mode``. ``per_rank``: this process's batch. A collective
+    (GradSync and Replicas start from rank 0's weights): every rank must call it."""
+    t = cfg.train
+    bf16 = torch.bfloat16 if t.precision == "bf16" and ctx.device.type == "cuda" else None
+    if cfg.dist.mode == "fallback":
+        try:
+            devices = node_devices(ctx.device, ctx.local_world_size)
+        except ValueError as e:  # several processes on one node would each drive every GPU
+            raise EnvError(f"dist.mode=fallback: {e}") from e
+        replicas = Replicas(model, devices, bucket_mb=cfg.dist.bucket_mb, cuda_graph=t.cuda_graph)
+        try:
+            replicas.check_batch(per_rank, t.grad_accum)
+        except ValueError as e:
+            raise ConfigError([f"train.batch_size={t.batch_size} with dist.mode=fallback: {e}"]) from e
+        loss_fn = functools.partial(F.cross_entropy, label_smoothing=t.label_smoothing)
+        return ReplicasStep(replicas, optimizer, loss_fn, autocast_dtype=bf16, grad_accum=t.grad_accum)
+
+    sync = distlib.GradSync(model, bucket_mb=cfg.dist.bucket_mb, compress=cfg.dist.compress,
+                            comm_groups=cfg.dist.comm_groups)  # fmt: skip
+    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16 is not None)
+
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with autocast:
+            return F.cross_entropy(model(x).float(), y, label_smoothing=t.label_smoothing)
+
+    return GradSyncStep(model, optimizer, sync, loss_of, grad_accum=t.grad_accum, cuda_graph=t.cuda_graph)

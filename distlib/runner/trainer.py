@@ -1,0 +1,320 @@
+"""The recipe runner's training, in stages: build, step, epoch, evaluate, checkpoint, close.
+
+    trainer = Trainer(cfg, ctx)       # after distlib.init
+    try:
+        trainer.build()               # data, model, step, optimizer, schedule, EMA, run dir; warm-up; resume
+        code = trainer.fit()          # 0, or 128 + the signal's number when SIGTERM/SIGINT stopped it
+    finally:
+        trainer.close(error)          # the one teardown, for success and every failure
+
+Where the run stands (epochs done, steps into the next, its clocks, this rank's loss sum)
+is a ``TrainState``, saved in every checkpoint, so a resumed run continues bit for bit.
+How gradients are synced is the ``TrainStep``'s business (runner/step.py): nothing here
+depends on ``dist.mode``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+import distlib
+from distlib.checkpoint import Checkpointer, fingerprint
+from distlib.failures import abort, describe, shared_errors
+from distlib.process_group import Context
+from distlib.runner.config import Config, ConfigError, dump_yaml
+from distlib.runner.data import DataError, load_image_set
+from distlib.runner.device_loader import DeviceLoader, normalize_stats
+from distlib.runner.environment import environment_json
+from distlib.runner.evaluation import evaluate
+from distlib.runner.models import build_model, count_params, param_groups
+from distlib.runner.plots import CurvePlot
+from distlib.runner.profiling import StepProfiler
+from distlib.runner.progress import TrainingProgress
+from distlib.runner.run_dir import RunDir
+from distlib.runner.schedule import warmup_linear
+from distlib.runner.step import TrainStep, build_step
+from distlib.stop import StopSignal
+from distlib.watchdog import Watchdog
+
+# may change on a resume: they do not change what the weights are
+_RESUME_FREE = {"train.eval_every", "train.tta", "train.tta_translate", "train.cuda_graph", "train.prewarm_steps"}
+
+
+def resume_settings(cfg: Config) -> dict:
+    """The settings a checkpoint is valid for: model, optimizer and schedule, data order and augmentation."""
+    flat = {f"{sec}.{k}": v for sec in ("model", "train") for k, v in dataclasses.asdict(getattr(cfg, sec)).items()}
+    flat |= {f"data.augment.{k}": v for k, v in dataclasses.asdict(cfg.data.augment).items()}
+    flat["data.train_subset"] = cfg.data.train_subset
+    return {k: v for k, v in flat.items() if k not in _RESUME_FREE}
+
+
+@dataclass
+class TrainState:
+    """Where the run stands; saved in checkpoints as "train_state".
+
+    The clocks are rank 0's (``state_dict``); ``loss_sum`` is each rank's own
+    (``rank_state_dict``: the checkpoint keeps one per rank).
+    """
+
+    epoch: int = 0  # epochs completed
+    step: int = 0  # steps done in epoch + 1
+    train_s: float = 0.0  # the training clock: the steps of every epoch, and the final evaluation
+    elapsed_s: float = 0.0  # since the first step, evaluations and checkpoints included
+    epoch_s: float = 0.0  # spent in epoch + 1 so far (non-zero only when stopped inside it)
+    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # this rank's, over epoch + 1 so far
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "step": self.step, "train_s": self.train_s, "elapsed_s": self.elapsed_s,
+                "epoch_s": self.epoch_s}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        self.train_s, self.elapsed_s, self.epoch_s = state["train_s"], state["elapsed_s"], state["epoch_s"]
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        return {"loss_sum": self.loss_sum}
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        self.loss_sum = state["loss_sum"].to(self.loss_sum.device)
+
+
+class Trainer:
+    """Trains ``cfg`` on this rank. ``build``, ``fit`` and the stages they run are collectives:
+    every rank must call them, in the same order. ``close`` is the one teardown."""
+
+    def __init__(self, cfg: Config, ctx: Context):
+        self.cfg, self.ctx = cfg, ctx
+        self.log = distlib.get_logger()
+        self.state = TrainState()
+        self.progress = TrainingProgress(cfg.run.progress, enabled=ctx.is_main)  # rank 0 only
+        p = cfg.profile
+        self.profiler = StepProfiler(os.path.join(cfg.run.out_dir, "profile"), ctx.rank, ctx.device,
+                                     enabled=p.enabled, wait=p.wait, warmup=p.warmup, active=p.active)  # fmt: skip
+        self.step_fn: TrainStep | None = None
+        self.stop: StopSignal | None = None
+        # a rank that stops running (SIGSTOP, frozen host) is killed soon after its peers time out
+        self.watchdog = Watchdog(cfg.dist.timeout_s, ctx.rank) if ctx.world_size > 1 else None
+
+    # ---- build ---------------------------------------------------------------------------
+
+    def build(self) -> None:
+        """Data, model, training step, optimizer, schedule, EMA and run directory; then the
+        warm-up (on a GPU) and the resume from the newest checkpoint in run.out_dir."""
+        cfg, ctx, t = self.cfg, self.ctx, self.cfg.train
+        if t.batch_size % (ctx.world_size * t.grad_accum):
+            raise ConfigError([f"train.batch_size={t.batch_size} must divide evenly over "
+                               f"{ctx.world_size} ranks x train.grad_accum={t.grad_accum}"])  # fmt: skip
+        self.per_rank = t.batch_size // ctx.world_size
+        if ctx.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True
+        self._build_data()
+        torch.manual_seed(t.seed)  # after the data: a first decode draws from the global generator
+        model = build_model(cfg.model.name, cfg.model.num_classes, cfg.model.width).to(ctx.device)
+        if cfg.model.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.model = model
+        self.optimizer = torch.optim.SGD(
+            param_groups(model, t.weight_decay), lr=t.lr, momentum=t.momentum, nesterov=t.nesterov,
+            fused=True if t.cuda_graph and ctx.device.type == "cuda" else None,  # graphs need fused
+        )  # fmt: skip
+        self.step_fn = build_step(cfg, ctx, model, self.optimizer, self.per_rank)
+        # weight averaging: evaluate an EMA of the weights (and BN buffers) when train.ema > 0
+        self.ema = (AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(t.ema), use_buffers=True)
+                    if t.ema > 0 else None)  # fmt: skip
+        self.scheduler = warmup_linear(self.optimizer, t.epochs * len(self.loader), t.warmup_frac)
+        bf16 = t.precision == "bf16" and ctx.device.type == "cuda"
+        self.autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16)
+        self.run = RunDir(cfg.run.out_dir, ctx.is_main)
+        self.run.write_text("config.yaml", dump_yaml(cfg))
+        self.run.write_text("environment.json", environment_json(ctx))  # a collective: every rank calls it
+        self.log.info(
+            "%s: %d params, %d train / %d test images, global batch %d over %d rank(s), %d steps/epoch",
+            cfg.model.name, count_params(model), len(self.y_train), len(self.y_test), t.batch_size,
+            ctx.world_size, len(self.loader),
+        )  # fmt: skip
+        if ctx.device.type == "cuda":
+            self.warm_up()
+        self.resume()
+
+    def _build_data(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        with shared_errors(DataError):  # bad data: every rank stops with the same message
+            if ctx.local_rank == 0:  # one decode per node; the others read the cache it leaves
+                images = load_image_set(cfg.data.root, download=cfg.data.download, cache_dir=cfg.data.cache_dir)
+        with shared_errors(DataError):
+            if ctx.local_rank != 0:
+                images = load_image_set(cfg.data.root, download=False, cache_dir=cfg.data.cache_dir)
+        x_train, y_train = images.x_train, images.y_train
+        if cfg.data.train_subset:
+            x_train, y_train = x_train[: cfg.data.train_subset], y_train[: cfg.data.train_subset]
+        if len(y_train) < cfg.train.batch_size:
+            raise ConfigError([f"train.batch_size={cfg.train.batch_size} is more than the {len(y_train)} training "
+                               "images (data.train_subset or the data set): not one step per epoch"])  # fmt: skip
+        self.x_train, self.y_train = x_train, y_train
+        mean, std = normalize_stats(x_train)
+        device = ctx.device if cfg.data.on_device else torch.device("cpu")
+        aug = cfg.data.augment
+        self.loader = DeviceLoader(
+            x_train, y_train, batch_size=self.per_rank, rank=ctx.rank, world_size=ctx.world_size,
+            device=device, mean=mean, std=std, crop_pad=aug.crop_pad, flip=aug.flip,
+            cutout_size=aug.cutout, seed=cfg.train.seed, channels_last=cfg.model.channels_last,
+        )  # fmt: skip
+        self.x_test, self.y_test = images.x_test.to(device), images.y_test.to(device)
+
+    def warm_up(self) -> None:
+        """cuDNN autotuning, lazy set-up and graph capture, outside the training clock; the
+        weights and optimizer state are then put back as they were."""
+        n, device = self.per_rank, self.ctx.device
+        x, y = self.loader.prepare(self.x_train[:n].to(device)), self.y_train[:n].to(device)
+        self.step_fn.warm_up(x, y, steps=self.cfg.train.prewarm_steps)
+        self._accuracy(self.model, tta=self.cfg.train.tta)
+        torch.cuda.synchronize()
+
+    def resume(self) -> None:
+        """Continue from the newest checkpoint in run.out_dir (a restart under torchrun
+        --max-restarts); after the warm-up, which resets the optimizer state: the state is
+        copied into its tensors."""
+        cfg = self.cfg
+        self.checkpointer = Checkpointer(os.path.join(self.run.path, "checkpoints"), keep=cfg.run.keep_checkpoints,
+                                         is_main=self.ctx.is_main)  # fmt: skip
+        self.objects = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
+                        **({"ema": self.ema} if self.ema is not None else {}), "train_state": self.state}  # fmt: skip
+        self.fingerprint = fingerprint(self.model, steps_per_epoch=len(self.loader), **resume_settings(cfg))
+        self.checkpointer.resume(self.objects, fingerprint=self.fingerprint, enabled=cfg.run.resume,
+                                 epochs=cfg.train.epochs)  # fmt: skip
+        self.loader.set_epoch(self.state.epoch)
+        self.run.start_metrics(self.state.epoch)
+        self.curves = CurvePlot(os.path.join(self.run.path, "curves.png"), self.run.read_metrics(),
+                                title=cfg.run.name, enabled=self.ctx.is_main)  # fmt: skip
+
+    # ---- train ---------------------------------------------------------------------------
+
+    def fit(self) -> int:
+        """Train from ``state`` to train.epochs. Returns 0, or the exit code of the signal
+        (SIGTERM/SIGINT) that stopped every rank at one step, after saving a checkpoint there."""
+        s, t = self.state, self.cfg.train
+        self._t_start = time.perf_counter() - s.elapsed_s
+        self.stop = StopSignal(timeout_s=self.cfg.dist.timeout_s)
+        self.progress.start(epochs=t.epochs, steps_per_epoch=len(self.loader), images_per_step=t.batch_size,
+                            start_epoch=s.epoch + 1, start_step=s.step)  # fmt: skip
+        self.profiler.start()
+        while s.epoch < t.epochs:
+            if not self.train_epoch():
+                return self.stop.exit_code
+        self.progress.finish(self.run.read_metrics())
+        self.curves.write()
+        self.stop.close()
+        return 0
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One optimizer step, the schedule and the EMA."""
+        device = self.ctx.device
+        loss = self.step_fn(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        self.state.loss_sum += loss
+        self.state.step += 1
+        self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
+        self.profiler.step()
+        self.progress.step(loss)  # cheap: the loss is read only when the display redraws
+
+    def train_epoch(self) -> bool:
+        """Epoch ``state.epoch + 1`` from step ``state.step`` on, its evaluation, metrics row and
+        checkpoint. False when a signal stopped it (a checkpoint of that step is saved)."""
+        s, t, device = self.state, self.cfg.train, self.ctx.device
+        epoch = s.epoch + 1
+        if s.step == 0:
+            s.epoch_s, s.loss_sum = 0.0, torch.zeros(())
+        s.loss_sum = s.loss_sum.to(device)
+        t0 = time.perf_counter() - s.epoch_s
+        for x, y in itertools.islice(self.loader, s.step, None):
+            if self.stop.check():
+                s.epoch_s = time.perf_counter() - t0
+                self.save_checkpoint()
+                if self.ctx.is_main:
+                    self.log.warning("stopped by %s at epoch %d step %d; checkpoint saved in %s: run the same "
+                                     "command to continue", self.stop.name, epoch, s.step,
+                                     self.checkpointer.directory)  # fmt: skip
+                return False
+            self.train_step(x, y)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        epoch_s = time.perf_counter() - t0
+        s.train_s += epoch_s
+        last = epoch == t.epochs
+        acc = self.evaluate(final=last) if last or epoch % t.eval_every == 0 else float("nan")
+        train_loss = distlib.all_reduce(s.loss_sum, op="mean").item() / len(self.loader)
+        row = {
+            "epoch": epoch,
+            "train_loss": round(train_loss, 5),
+            "test_acc": None if acc != acc else round(acc, 5),
+            "images_per_s": round(len(self.loader) * t.batch_size / epoch_s, 1),
+            "epoch_s": round(epoch_s, 3),
+            "train_s": round(s.train_s, 3),
+            "elapsed_s": round(time.perf_counter() - self._t_start, 3),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "world_size": self.ctx.world_size,
+        }
+        self.run.log_metrics(row)  # before the checkpoint: a crash in between rewrites the row, never skips it
+        s.epoch, s.step, s.epoch_s = epoch, 0, 0.0
+        every = self.cfg.run.checkpoint_every
+        if last or (every and epoch % every == 0):
+            self.save_checkpoint()
+        self.progress.epoch_end(row)
+        self.curves.add(row)
+        return True
+
+    def evaluate(self, final: bool = False) -> float:
+        """Test accuracy of the evaluated model (the EMA when there is one), with every rank's
+        buffers averaged first. ``final``: with test-time augmentation, on the training clock."""
+        t_eval = time.perf_counter()
+        self.step_fn.sync_buffers()
+        model = self.ema.module if self.ema is not None else self.model
+        # each rank's BatchNorm statistics follow its own batches: average them, so that every
+        # rank evaluates the same model and the accuracy does not depend on the world size
+        distlib.sync_buffers(model)
+        acc = self._accuracy(model, tta=self.cfg.train.tta and final)
+        if final:  # airbench's clock: training from the first step through the final evaluation
+            self.state.train_s += time.perf_counter() - t_eval
+        return acc
+
+    def _accuracy(self, model: torch.nn.Module, tta: bool) -> float:
+        return evaluate(model, self.x_test, self.y_test, self.loader, self.ctx, self.autocast, tta=tta,
+                        translate=self.cfg.train.tta_translate)  # fmt: skip
+
+    def save_checkpoint(self) -> None:
+        """A checkpoint of the models, optimizer, schedule and ``state`` (a collective)."""
+        s = self.state
+        s.elapsed_s = time.perf_counter() - self._t_start
+        self.checkpointer.save(self.objects, epoch=s.epoch, step=s.step, fingerprint=self.fingerprint,
+                               global_step=s.epoch * len(self.loader) + s.step)  # fmt: skip
+
+    # ---- teardown ------------------------------------------------------------------------
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Tear down whatever was built, after success or any failure (``error``). A collective
+        failed or Ctrl-C: leave the process group at once (``abort``: the peers may be gone).
+        Any other error: no final barrier (a peer that did not fail alike would never arrive)."""
+        if error is not None:
+            if isinstance(error, KeyboardInterrupt) or describe(error, rank=self.ctx.rank,
+                                                                timeout_s=self.cfg.dist.timeout_s):  # fmt: skip
+                abort()
+            else:
+                distlib.shutdown(barrier=False)
+        self.profiler.close()
+        self.progress.close()
+        if self.stop is not None:
+            self.stop.restore_handlers()
+        if self.step_fn is not None:
+            self.step_fn.close()
+        if self.watchdog is not None:
+            self.watchdog.close()
+        distlib.shutdown()  # the final barrier after success; nothing left to do after a failure

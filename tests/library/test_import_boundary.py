@@ -1,0 +1,98 @@
+"""The library's import boundary: distlib/*.py needs torch and the standard library only.
+
+The recipe runner (distlib.runner) may use yaml, rich, torchvision and matplotlib; a script that
+drops the library in must not need them, nor the runner itself.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+LIBRARY = os.path.join(ROOT, "distlib")
+MODULES = sorted(f"distlib.{f[:-3]}" for f in os.listdir(LIBRARY) if f.endswith(".py") and f != "__init__.py")
+THIRD_PARTY = ("yaml", "rich", "torchvision", "matplotlib", "PIL", "numpy")
+
+# Runs in a fresh interpreter: torch first (what it loads itself, e.g. numpy on some versions, cannot
+# be blocked), then every other third-party package of the runner is made unimportable.
+_PROBE = """
+import importlib, json, sys
+import torch, torch.distributed, torch.cuda.comm  # noqa: E401
+blocked = [n for n in {names!r} if n not in sys.modules]
+for n in blocked:
+    sys.modules[n] = None  # `import n` now raises ImportError
+failed = {{}}
+for m in ["distlib"] + {modules!r}:
+    try:
+        importlib.import_module(m)
+    except Exception as e:
+        failed[m] = f"{{type(e).__name__}}: {{e}}"
+runner = sorted(m for m in sys.modules if m == "distlib.runner" or m.startswith("distlib.runner."))
+print(json.dumps({{"blocked": blocked, "failed": failed, "runner": runner}}))
+"""
+
+
+def test_library_imports_without_the_runners_packages():
+    code = _PROBE.format(names=THIRD_PARTY, modules=MODULES)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    # the check means something: everything but what torch loads itself was blocked
+    assert {"yaml", "rich", "torchvision", "matplotlib", "PIL"} <= set(res["blocked"]), res
+    assert res["failed"] == {}, res["failed"]
+    assert res["runner"] == [], f"importing the library loaded the runner: {res['runner']}"
+    assert len(MODULES) >= 10  # the listing found the library's modules
+
+
+def _imports(path: str) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the file; relative ones resolved in distlib."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: within the distlib package (a flat folder)
+                base = "distlib" + (f".{base}" if base else "")
+            out += [(node.lineno, f"{base}.{a.name}" if base == "distlib" else base) for a in node.names]
+    return out
+
+
+def _forbidden(name: str) -> bool:
+    top = name.split(".")[0]
+    if top == "distlib":
+        return name == "distlib.runner" or name.startswith("distlib.runner.")
+    return top != "torch" and top not in sys.stdlib_module_names
+
+
+def test_library_sources_import_only_torch_and_the_standard_library():
+    bad = []
+    for m in MODULES + ["distlib.__init__"]:
+        path = os.path.join(LIBRARY, m.split(".", 1)[1] + ".py")
+        bad += [f"{path}:{line}: import {name}" for line, name in _imports(path) if _forbidden(name)]
+    assert bad == [], "the library may import torch and the standard library only:\n" + "\n".join(bad)
+
+
+def test_the_scan_sees_what_it_must_refuse():
+    assert _forbidden("yaml") and _forbidden("numpy") and _forbidden("distlib.runner.models")
+    assert not _forbidden("torch.distributed") and not _forbidden("collections.abc") and not _forbidden("distlib.log")
+
+
+def test_public_names_are_what_they_say():
+    """Every exported name resolves, and no submodule shadows a function of the same name (importing
+    ``distlib.<name>`` would replace the attribute ``distlib.<name>``)."""
+    import distlib
+
+    for name in distlib.__all__:
+        obj = getattr(distlib, name)
+        assert name == "collectives" or not isinstance(obj, type(distlib)), f"distlib.{name} is a module"
+    for m in MODULES:
+        __import__(m)
+    assert callable(distlib.broadcast) and callable(distlib.sync_buffers) and callable(distlib.init)
+    assert distlib.EpochLoader is not None  # returned by distributed_loader: not exported, still importable

@@ -1,0 +1,77 @@
+"""Recipe keys that change what a run computes, seen through launch.py's outputs: train.ema,
+train.tta_translate, and dist.compress / dist.comm_groups reaching GradSync.
+
+Each run is one process in this process (world size 1): a 512-image subset, a width-8 model,
+two epochs, augmentation off, so that two runs differ only by the key under test.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+
+import pytest
+
+import launch
+from distlib.grad_sync import GradSync
+from tests.conftest import ROOT
+
+SMALL = [
+    "train.epochs=2", "data.train_subset=512", "model.width=8",
+    "data.augment.crop_pad=0", "data.augment.flip=none", "run.progress=plain",
+]  # fmt: skip
+
+pytestmark = pytest.mark.slow
+
+
+def run(tmp_path, name: str, *overrides: str, recipe: str = "recipes/demo.yaml") -> list[dict]:
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        assert launch.main([recipe, *SMALL, f"run.out_dir={tmp_path / name}", *overrides]) == 0
+    finally:
+        os.chdir(cwd)
+    with open(tmp_path / name / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("baseline"), "base")
+
+
+def test_ema_evaluates_the_averaged_weights(tmp_path, baseline):
+    ema = run(tmp_path, "ema", "train.ema=0.5")
+    # the average does not touch training: the same losses, bit for bit
+    assert [r["train_loss"] for r in ema] == [r["train_loss"] for r in baseline]
+    # but evaluation sees other weights (and BatchNorm statistics)
+    assert [r["test_acc"] for r in ema] != [r["test_acc"] for r in baseline], (ema, baseline)
+
+
+def test_tta_translate_changes_only_the_final_evaluation(tmp_path, baseline):
+    shifted = run(tmp_path, "tta", "train.tta_translate=2")
+    assert [r["train_loss"] for r in shifted] == [r["train_loss"] for r in baseline]
+    assert shifted[0]["test_acc"] == baseline[0]["test_acc"]  # not the final evaluation: no TTA at all
+    assert shifted[-1]["test_acc"] != baseline[-1]["test_acc"], "the shifted views must change the final accuracy"
+
+
+def test_compress_and_comm_groups_from_a_recipe_reach_gradsync(tmp_path, monkeypatch):
+    seen: list[dict] = []
+    original = GradSync.__init__
+
+    def spy(self, *args, **kwargs):
+        bound = inspect.signature(original).bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        seen.append(dict(bound.arguments))
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GradSync, "__init__", spy)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        (open(os.path.join(ROOT, "recipes", "demo.yaml")).read())
+        + "dist:\n  compress: bf16\n  comm_groups: 3\n  bucket_mb: 2.5\n"
+    )
+    run(tmp_path, "recipe", "train.epochs=1", recipe=str(recipe))
+    assert len(seen) == 1
+    assert (seen[0]["compress"], seen[0]["comm_groups"], seen[0]["bucket_mb"]) == ("bf16", 3, 2.5)
