@@ -98,10 +98,11 @@ def compile_for_sync(
 
     ``sync`` is the GradSync built for ``model`` (build it first: it broadcasts and lays out the
     buckets). The graph is split when it is compiled (at the first forward, and again at any
-    recompilation), from the bucket layout of that moment. The split is exact when the model compiles
-    to one graph whose parameters are used in the order GradSync launches them (reverse registration
-    order at first, the observed order after the first step); otherwise a bucket launches at the end
-    of the piece that holds its last gradient, still before the backward ends. At world size 1 (no
+    recompilation), from the bucket layout of that moment, and GradSync's one-time re-layout after its
+    first step is switched off (compiled, gradients arrive a graph at a time). The split is exact when
+    the model compiles to one graph whose forward uses the parameters in GradSync's layout order
+    (registration order, unless a step was synced before this call); otherwise a bucket launches at
+    the end of the piece that holds its last gradient, still before the backward ends. At world size 1 (no
     buckets) it is plain ``torch.compile``. Returns what ``torch.compile`` returns; the backend, mode,
     options, dynamic and fullgraph arguments mean what they mean there.
     """
