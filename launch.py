@@ -34,6 +34,7 @@ from distlib.runner.profiling import StepProfiler
 from distlib.runner.progress import TrainingProgress
 from distlib.runner.run_dir import RunDir
 from distlib.runner.schedule import warmup_linear
+from distlib.runner.timeline import Timeline
 from distlib.runner.warmup import warm_up
 from distlib.stop import StopSignal
 from distlib.watchdog import Watchdog
@@ -80,7 +81,9 @@ def evaluate(model, x_test, y_test, loader, ctx, autocast, tta: bool, translate:
     return correct.item() / y_test.numel()
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], timeline: Timeline | None = None) -> int:
+    timeline = timeline or Timeline()
+    timeline.mark("imports")  # interpreter start and imports, from the process start
     args = parse_args(argv)
     try:
         cfg = load_config(args.recipe, args.overrides)
@@ -93,6 +96,7 @@ def main(argv: list[str]) -> int:
     except distlib.EnvError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    timeline.mark("init")  # config and process group (NCCL: CUDA context and communicator)
     log = distlib.get_logger()
     progress = TrainingProgress(cfg.run.progress, enabled=ctx.is_main)  # rank 0 only
     pc = cfg.profile
@@ -103,6 +107,7 @@ def main(argv: list[str]) -> int:
     # a rank that stops running (SIGSTOP, frozen host) is killed soon after its peers time out
     watchdog = Watchdog(cfg.dist.timeout_s, ctx.rank) if ctx.world_size > 1 else None
     stop = None
+    finished_rows = None  # metrics.jsonl once training completed: the summary is printed after the teardown
     try:
         # ---- build -------------------------------------------------------------------
         if cfg.train.batch_size % (ctx.world_size * cfg.train.grad_accum):
@@ -115,10 +120,14 @@ def main(argv: list[str]) -> int:
             torch.backends.cudnn.benchmark = True
         with shared_errors(DataError):  # bad data: every rank stops with the same message
             if ctx.local_rank == 0:  # one decode per node; the others read the cache it leaves
-                images = load_image_set(cfg.data.root, download=cfg.data.download, cache_dir=cfg.data.cache_dir)
+                images = load_image_set(
+                    cfg.data.root, download=cfg.data.download, cache_dir=cfg.data.cache_dir, decode=cfg.data.decode
+                )
         with shared_errors(DataError):
             if ctx.local_rank != 0:
                 images = load_image_set(cfg.data.root, download=False, cache_dir=cfg.data.cache_dir)
+        timeline.mark("data")
+        timeline.note(data_source=images.source)
         x_train, y_train = images.x_train, images.y_train
         if cfg.data.train_subset:
             x_train, y_train = x_train[: cfg.data.train_subset], y_train[: cfg.data.train_subset]
@@ -132,6 +141,7 @@ def main(argv: list[str]) -> int:
         )  # fmt: skip
         x_test, y_test = images.x_test.to(data_device), images.y_test.to(data_device)
 
+        timeline.mark("loader")
         torch.manual_seed(cfg.train.seed)  # after the data: a first decode draws from the global generator
         model = build_model(cfg.model.name, cfg.model.num_classes, cfg.model.width).to(ctx.device)
         if cfg.model.channels_last:
@@ -170,6 +180,7 @@ def main(argv: list[str]) -> int:
             graph_step = build_train_step(
                 cfg.train.cuda_graph, model, opt, loss_of, sync, grad_accum=cfg.train.grad_accum
             )
+        timeline.mark("model")  # model, gradient sync, optimizer, graph set-up
         run = RunDir(cfg.run.out_dir, ctx.is_main)
         run.write_text("config.yaml", dump_yaml(cfg))
         run.write_text("environment.json", environment_json(ctx))  # a collective: every rank calls it
@@ -179,6 +190,7 @@ def main(argv: list[str]) -> int:
             ctx.world_size, len(loader),
         )  # fmt: skip
 
+        timeline.mark("run_dir")  # config.yaml, environment.json
         micro = per_rank // cfg.train.grad_accum
 
         def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -208,6 +220,7 @@ def main(argv: list[str]) -> int:
             warm_up(lambda: train_step(xw, yw), [model], opt, steps=cfg.train.prewarm_steps)
             evaluate(model, x_test, y_test, loader, ctx, autocast, cfg.train.tta, cfg.train.tta_translate)
             torch.cuda.synchronize()
+        timeline.mark("warmup")  # cuDNN autotuning, graph capture, first evaluation
 
         # ---- resume from the newest checkpoint in out_dir (a restart under torchrun --max-restarts);
         # after the warm-up, which resets the optimizer state: the state is copied into its tensors
@@ -233,6 +246,8 @@ def main(argv: list[str]) -> int:
 
         progress.start(epochs=cfg.train.epochs, steps_per_epoch=len(loader), images_per_step=cfg.train.batch_size)
         prof.start()
+        timeline.mark("resume")
+        timeline.training_started()
         for epoch in range(resumed.epoch + 1, cfg.train.epochs + 1):
             first = resumed.step if epoch == resumed.epoch + 1 else 0  # steps already done in this epoch
             t0 = time.perf_counter() - (resumed.extra.get("epoch_s", 0.0) if first else 0.0)
@@ -258,6 +273,7 @@ def main(argv: list[str]) -> int:
                 torch.cuda.synchronize()
             epoch_s = time.perf_counter() - t0
             train_s += epoch_s
+            timeline.add("train", epoch_s)
             last_epoch = epoch == cfg.train.epochs
             acc = float("nan")
             if last_epoch or epoch % cfg.train.eval_every == 0:
@@ -272,8 +288,11 @@ def main(argv: list[str]) -> int:
                     eval_model, x_test, y_test, loader, ctx, autocast,
                     tta=cfg.train.tta and last_epoch, translate=cfg.train.tta_translate,
                 )  # fmt: skip
+                eval_s = time.perf_counter() - t_eval
+                timeline.add("eval", eval_s)
                 if last_epoch:  # airbench's clock: training from the first step through the final evaluation
-                    train_s += time.perf_counter() - t_eval
+                    train_s += eval_s
+                    timeline.training_finished()
             train_loss = distlib.all_reduce(loss_sum, op="mean").item() / len(loader)
             row = {
                 "epoch": epoch,
@@ -289,11 +308,14 @@ def main(argv: list[str]) -> int:
             run.log_metrics(row)  # before the checkpoint: a crash in between rewrites the row, never skips it
             if last_epoch or (cfg.run.checkpoint_every and epoch % cfg.run.checkpoint_every == 0):
                 save_checkpoint(epoch, 0)
+                if last_epoch:
+                    timeline.mark("checkpoint")  # metrics row and final checkpoint
             progress.epoch_end(row)
             curves.add(row)
-        progress.finish(run.read_metrics())
-        curves.write()
+        finished_rows = run.read_metrics()
+        curves.write_detached(run.metrics_path)  # curves.png appears shortly after the exit
         stop.close()
+        timeline.mark("plot")
         return 0
     except (DataError, ValueError, CheckpointError) as e:
         log.error("%s", e)
@@ -318,6 +340,12 @@ def main(argv: list[str]) -> int:
         if watchdog is not None:
             watchdog.close()
         distlib.shutdown()
+        if finished_rows is not None:
+            timeline.mark("shutdown")
+            summary = timeline.finish()  # the last stamp the process can make; interpreter exit follows
+            if ctx.is_main:
+                timeline.write(os.path.join(cfg.run.out_dir, "summary.json"))
+            progress.finish(finished_rows, summary)
 
 
 if __name__ == "__main__":
