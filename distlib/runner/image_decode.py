@@ -89,11 +89,13 @@ def _decode_one(item: str | bytes):
     import numpy as np
     from PIL import Image
 
+    source = io.BytesIO(item) if isinstance(item, bytes) else item
     try:
-        with Image.open(io.BytesIO(item) if isinstance(item, bytes) else item) as im:
+        with Image.open(source) as im:
             return np.asarray(im.convert("RGB"))
     except Exception as e:  # PIL raises several types for truncated or foreign files
-        return f"{type(e).__name__}: {e}"
+        text = str(e).replace(f" {source!r}", "")  # not the address of our in-memory buffer
+        return f"{type(e).__name__}: {text}"
 
 
 def _worker() -> None:
