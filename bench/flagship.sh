@@ -2,7 +2,8 @@
 # Start-up and end-to-end time of the flagship, timed from outside, on one machine:
 #   the floor (torchrun of bench/floor.py: import torch, process group, one all_reduce),
 #   the flagship with a cold decode cache (the first decode of the JPEGs), then with the warm cache,
-#   three seeds in all where the time budget allows, and the import cost of launch.py and torchvision.
+#   three seeds in all where the time budget allows, one cold run decoding on the GPU (when there is one),
+#   and the import cost of launch.py and torchvision.
 # Usage: bench/flagship.sh DATA_ROOT [OUT_DIR]     (OUT_DIR default: $OUT, else .bench/flagship)
 # Env: RECIPE (recipes/cifar.yaml), NPROC (2), SEEDS ("0 1 2"), BUDGET_S (300: no new run starts after it),
 #      RUN_TIMEOUT_S (150 per run), EXTRA (more key=value overrides), PYTHON, TORCHRUN.
@@ -22,7 +23,7 @@ mkdir -p "$OUT_DIR/logs" "$OUT_DIR/runs"
 RESULTS="$OUT_DIR/results.jsonl"
 : >"$RESULTS"
 CACHE="$OUT_DIR/cache"  # the decode cache of these runs only: the first flagship run finds it empty
-rm -rf "$CACHE" "$OUT_DIR/runs"/*
+rm -rf "$CACHE" "$OUT_DIR/cache-gpu" "$OUT_DIR/runs"/*
 T0=$(date +%s.%N)
 
 now() { date +%s.%N; }
@@ -62,6 +63,13 @@ for seed in $SEEDS; do
   fi
   flagship "warm-s$seed" warm "$seed"
 done
+# the first decode on the GPU (nvJPEG) instead of PIL on every core, into a cache of its own
+if "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  seed=${SEEDS%% *}
+  run "coldgpu-s$seed" coldgpu "$seed" "$TORCHRUN" --standalone --nproc-per-node="$NPROC" launch.py "$RECIPE" \
+    "data.root=$DATA" "data.cache_dir=$OUT_DIR/cache-gpu" "run.out_dir=$OUT_DIR/runs/coldgpu-s$seed" \
+    "train.seed=$seed" run.resume=false run.progress=plain data.decode=cuda ${EXTRA:-}
+fi
 # import costs in fresh processes (one process each, so that each one pays for the file system)
 run imports - - "$PYTHON" -c "
 import time; t = time.time()

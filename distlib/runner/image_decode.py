@@ -12,6 +12,7 @@ that labels and sample indices do not depend on how the images were decoded.
 
 from __future__ import annotations
 
+import gzip
 import io
 import os
 import pickle
@@ -47,16 +48,53 @@ def list_imagefolder(root: str) -> tuple[list[tuple[str, int]], list[str]]:
     return samples, classes
 
 
+def _ustar_files(data: bytes) -> list[tuple[str, bytes]] | None:
+    """(name, content) of the regular files of an uncompressed tar in memory, reading the
+    plain ustar/GNU headers directly (tarfile takes seconds for tens of thousands of small
+    members); None when the archive uses anything else (long names, pax headers, ...)."""
+    files = []
+    pos, end = 0, len(data) - 512
+    while pos <= end:
+        header = data[pos : pos + 512]
+        if header[:1] == b"\0":  # the zero blocks that end the archive
+            break
+        if header[257:262] != b"ustar":
+            return None
+        checksum = int(header[148:156].strip(b"\0 ") or b"-1", 8)
+        if checksum != sum(header[:148]) + 256 + sum(header[156:]):  # the checksum field counts as spaces
+            return None
+        size = int(header[124:136].strip(b"\0 ") or b"0", 8)
+        kind = header[156:157]
+        if kind in (b"0", b"\0"):
+            name = header[:100].split(b"\0", 1)[0]
+            prefix = header[345:500].split(b"\0", 1)[0] if header[257:263] == b"ustar\0" else b""
+            if prefix:
+                name = prefix + b"/" + name
+            files.append((name.decode("utf-8", "surrogateescape"), data[pos + 512 : pos + 512 + size]))
+        elif kind != b"5":  # a directory is fine; links, long names, pax headers: let tarfile do it
+            return None
+        pos += 512 + (size + 511) // 512 * 512
+    return files
+
+
+def _tar_files(path: str) -> list[tuple[str, bytes]]:
+    """(name, content) of the regular files of a tar or tar.gz."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:2] == b"\x1f\x8b":
+        data = gzip.decompress(data)
+    files = _ustar_files(data)
+    if files is None:
+        with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+            files = [(m.name, data[m.offset_data : m.offset_data + m.size]) for m in tf if m.isfile()]
+    return files
+
+
 def read_archive(path: str) -> dict[str, tuple[list[tuple[str, bytes, int]], list[str]]]:
     """The images of a tar(.gz) that holds ``train/<class>/...`` and ``test/<class>/...``
     (possibly under one top folder), read into memory: split -> ([(name, bytes, class index)],
     classes), in ImageFolder's order."""
-    members: list[tuple[list[str], bytes]] = []
-    with tarfile.open(path) as tf:
-        for m in tf:
-            if m.isfile():
-                parts = [p for p in m.name.split("/") if p not in ("", ".")]
-                members.append((parts, tf.extractfile(m).read()))
+    members = [([p for p in name.split("/") if p not in ("", ".")], content) for name, content in _tar_files(path)]
     tops = {parts[0] for parts, _ in members}
     if len(tops) == 1 and not tops & {"train", "test"}:  # one top folder around train/ and test/
         members = [(parts[1:], data) for parts, data in members]

@@ -110,3 +110,22 @@ def test_nvjpeg_decode_agrees_with_pil():
         assert (b.cpu().float() - ref.float()).abs().mean() < 2, p
     bad = decode_cuda([blobs[0], b"this is not a JPEG", blobs[1]])
     assert isinstance(bad[1], str) and torch.equal(bad[0].cpu(), gpu[0].cpu())
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+@pytest.mark.parametrize("long_name", [False, True])
+def test_tar_reading_matches_tarfile(tmp_path, fmt, long_name):
+    """The direct ustar reader, or tarfile where the archive needs it (long names, pax headers)."""
+    from distlib.runner.image_decode import _tar_files
+
+    root = small_copy(tmp_path / "images", per_class=2)
+    if long_name and fmt != tarfile.USTAR_FORMAT:  # ustar cannot store a 120-character name
+        deep = os.path.join(root, "train", "cat", "x" * 60, "y" * 60)
+        os.makedirs(deep)
+        shutil.copy(os.path.join(DEMO, "train", "cat", "0000.jpg"), os.path.join(deep, "long.jpg"))
+    archive = str(tmp_path / "a.tar")
+    with tarfile.open(archive, "w", format=fmt) as tf:
+        tf.add(root, arcname="top")
+    with tarfile.open(archive) as tf:
+        expected = [(m.name, tf.extractfile(m).read()) for m in tf if m.isfile()]
+    assert _tar_files(archive) == expected and len(expected) >= 12
