@@ -6,8 +6,9 @@
 #   and the import cost of launch.py and torchvision.
 # Usage: bench/flagship.sh DATA_ROOT [OUT_DIR]     (OUT_DIR default: $OUT, else .bench/flagship)
 # Env: RECIPE (recipes/cifar.yaml), NPROC (2), SEEDS ("0 1 2"), BUDGET_S (300: no new run starts after it),
-#      RUN_TIMEOUT_S (150 per run), EXTRA (more key=value overrides), PYTHON, TORCHRUN.
-# Writes OUT_DIR/logs/*.log, OUT_DIR/runs/<name>/ (each run's out_dir), OUT_DIR/results.json; prints a table.
+#      RUN_TIMEOUT_S (150 per run), EXTRA (more key=value overrides), PYTHON, TORCHRUN,
+#      WORK (/tmp/distlib-flagship: the runs' out_dirs with their checkpoints, and the decode caches).
+# Writes OUT_DIR/logs/*.log, OUT_DIR/runs/<name>/{summary.json,metrics.jsonl}, OUT_DIR/results.json; prints a table.
 set -u
 DATA=${1:?usage: bench/flagship.sh DATA_ROOT [OUT_DIR]}
 OUT_DIR=${2:-${OUT:-.bench/flagship}}
@@ -19,11 +20,12 @@ RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-150}
 PYTHON=${PYTHON:-python}
 TORCHRUN=${TORCHRUN:-torchrun}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-mkdir -p "$OUT_DIR/logs" "$OUT_DIR/runs"
+WORK=${WORK:-/tmp/distlib-flagship}
+mkdir -p "$OUT_DIR/logs" "$OUT_DIR/runs" "$WORK/runs"
 RESULTS="$OUT_DIR/results.jsonl"
 : >"$RESULTS"
-CACHE="$OUT_DIR/cache"  # the decode cache of these runs only: the first flagship run finds it empty
-rm -rf "$CACHE" "$OUT_DIR/cache-gpu" "$OUT_DIR/runs"/*
+CACHE="$WORK/cache"  # the decode cache of these runs only: the first flagship run finds it empty
+rm -rf "$CACHE" "$WORK/cache-gpu" "$WORK/runs"/* "$OUT_DIR/runs"/*
 T0=$(date +%s.%N)
 
 now() { date +%s.%N; }
@@ -44,13 +46,17 @@ run() {
   rc=$?
   t2=$(now)
   "$PYTHON" bench/flagship_table.py record --name "$name" --kind "$kind" --seed "$seed" --rc "$rc" \
-    --wall "$t1" "$t2" --log "$OUT_DIR/logs/$name.log" --run-dir "$OUT_DIR/runs/$name" >>"$RESULTS"
+    --wall "$t1" "$t2" --log "$OUT_DIR/logs/$name.log" --run-dir "$WORK/runs/$name" >>"$RESULTS"
+  if [ -d "$WORK/runs/$name" ]; then  # the small files only: checkpoints stay in $WORK
+    mkdir -p "$OUT_DIR/runs/$name"
+    cp "$WORK/runs/$name"/*.json "$WORK/runs/$name"/metrics.jsonl "$OUT_DIR/runs/$name/" 2>/dev/null
+  fi
   echo "$name: rc=$rc $("$PYTHON" -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}s')" "$t1" "$t2")"
 }
 
 flagship() {  # flagship NAME KIND SEED
   run "$1" "$2" "$3" "$TORCHRUN" --standalone --nproc-per-node="$NPROC" launch.py "$RECIPE" "data.root=$DATA" \
-    "data.cache_dir=$CACHE" "run.out_dir=$OUT_DIR/runs/$1" "train.seed=$3" run.resume=false run.progress=plain ${EXTRA:-}
+    "data.cache_dir=$CACHE" "run.out_dir=$WORK/runs/$1" "train.seed=$3" run.resume=false run.progress=plain ${EXTRA:-}
 }
 
 run floor-1 floor - "$TORCHRUN" --standalone --nproc-per-node="$NPROC" bench/floor.py
@@ -67,7 +73,7 @@ done
 if "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   seed=${SEEDS%% *}
   run "coldgpu-s$seed" coldgpu "$seed" "$TORCHRUN" --standalone --nproc-per-node="$NPROC" launch.py "$RECIPE" \
-    "data.root=$DATA" "data.cache_dir=$OUT_DIR/cache-gpu" "run.out_dir=$OUT_DIR/runs/coldgpu-s$seed" \
+    "data.root=$DATA" "data.cache_dir=$WORK/cache-gpu" "run.out_dir=$WORK/runs/coldgpu-s$seed" \
     "train.seed=$seed" run.resume=false run.progress=plain data.decode=cuda ${EXTRA:-}
 fi
 # import costs in fresh processes (one process each, so that each one pays for the file system)
@@ -81,4 +87,4 @@ print(f'IMPORTS torch {t1 - t:.2f}s launch-after-torch {t2 - t1:.2f}s torchvisio
       f'matplotlib {t4 - t3:.2f}s')"
 grep -h IMPORTS "$OUT_DIR/logs/imports.log"
 sleep 2  # the curves are drawn by a detached process after each run's exit
-"$PYTHON" bench/flagship_table.py table "$RESULTS" --json "$OUT_DIR/results.json"
+"$PYTHON" bench/flagship_table.py table "$RESULTS" --runs "$WORK/runs" --json "$OUT_DIR/results.json"

@@ -38,7 +38,7 @@ def table(args: argparse.Namespace) -> None:
     with open(args.results) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     for r in rows:  # the curves are drawn after the exit: present now?
-        run_dir = os.path.join(os.path.dirname(args.results), "runs", r["name"])
+        run_dir = os.path.join(args.runs, r["name"])
         if os.path.isdir(run_dir):
             r["curves_png"] = os.path.exists(os.path.join(run_dir, "curves.png"))
     cols = " ".join(f"{k[:-2]:>13}" for k in FIELDS)
@@ -84,6 +84,7 @@ def main(argv: list[str]) -> int:
     t = sub.add_parser("table")
     t.add_argument("results")
     t.add_argument("--json", default="")
+    t.add_argument("--runs", required=True, help="the folder that holds each run's out_dir")
     args = p.parse_args(argv)
     if args.cmd == "record":
         print(json.dumps(record(args)))
