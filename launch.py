@@ -344,7 +344,7 @@ def main(argv: list[str], timeline: Timeline | None = None) -> int:
             timeline.mark("shutdown")
             summary = timeline.finish()  # the last stamp the process can make; interpreter exit follows
             if ctx.is_main:
-                timeline.write(os.path.join(cfg.run.out_dir, "summary.json"))
+                timeline.write(os.path.join(run.path, "summary.json"))
             progress.finish(finished_rows, summary)
 
 
