@@ -10,10 +10,9 @@ import sys
 import torch
 
 import distlib
-from distlib.errors import DistlibError
-from distlib.failures import describe
-from distlib.process_group import context
 from distlib.runner.config import load_config
+from distlib.runner.outcome import exit_code, fast_exit
+from distlib.runner.timeline import Timeline
 from distlib.runner.trainer import Trainer
 
 
@@ -24,27 +23,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def exit_code(e: BaseException, timeout_s: float) -> int | None:
-    """Say in one line why the run ends and return its exit code; None for a bug (re-raise it)."""
-    if isinstance(e, DistlibError):  # the input, environment, data or a checkpoint
-        message, code = str(e), 2
-    elif isinstance(e, KeyboardInterrupt):  # a second Ctrl-C, or one before training started
-        message, code = "interrupted", 130
-    elif (message := describe(e, rank=getattr(context(), "rank", 0), timeout_s=timeout_s)) is not None:
-        code = 1  # a collective timed out or lost a peer
-    else:  # a bug: its traceback says more than one line could
-        return None
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    return code
-
-
-def main(argv: list[str]) -> int:
+def main(argv: list[str], timeline: Timeline | None = None) -> int:
+    timeline = timeline or Timeline()  # it starts at the process start (the OS's): the imports count
+    timeline.mark("imports")
     args = parse_args(argv)
     cfg = trainer = failure = None
     try:
         cfg = load_config(args.recipe, args.overrides)
         gpus = max(1, torch.cuda.device_count()) if cfg.dist.mode == "fallback" else 1
-        trainer = Trainer(cfg, distlib.init(cfg.dist.backend, cfg.dist.timeout_s, gpus_per_process=gpus))
+        trainer = Trainer(cfg, distlib.init(cfg.dist.backend, cfg.dist.timeout_s, gpus_per_process=gpus), timeline)
         trainer.build()
         return trainer.fit()
     except BaseException as e:
@@ -53,8 +40,11 @@ def main(argv: list[str]) -> int:
             raise
         return code
     finally:
-        trainer.close(failure) if trainer is not None else distlib.shutdown(barrier=False)
+        if trainer is not None:
+            trainer.close(failure)
+        else:
+            distlib.shutdown(barrier=False)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    fast_exit(main(sys.argv[1:]))

@@ -28,7 +28,6 @@ def active(group: dist.ProcessGroup | None = None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-_active = active  # the name other modules of this package used before
 
 
 def world_size() -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from distlib.errors import DistlibError
+from distlib.runner.image_decode import ListingError, decode_cpu, decode_cuda, list_imagefolder, read_archive
 
 
 class DataError(DistlibError, RuntimeError):
@@ -32,6 +33,7 @@ class ImageSet:
     x_test: torch.Tensor
     y_test: torch.Tensor
     classes: list[str]
+    source: str = "decoded"  # or "cache": read from the decoded cache
 
 
 _CIFAR_DIR = "cifar-10-batches-py"
@@ -63,60 +65,38 @@ def _signature(root: str, layout: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _read_image(path: str) -> torch.Tensor | str:
-    """An RGB uint8 CHW tensor, or the reason the file cannot be decoded (an exception
-    raised in a DataLoader worker would reach us wrapped in its traceback text)."""
-    from PIL import Image
-    from torchvision.transforms.functional import pil_to_tensor
-
-    try:
-        with Image.open(path) as im:
-            return pil_to_tensor(im.convert("RGB"))
-    except Exception as e:  # PIL raises several types for truncated or foreign files
-        return f"{type(e).__name__}: {e}"
-
-
-def _collate(batch: list[tuple[torch.Tensor | str, int]]) -> tuple[torch.Tensor | None, torch.Tensor, list]:
-    """Stack a batch; when that is impossible, return the problems (position, text) instead."""
-    labels = torch.tensor([y for _, y in batch], dtype=torch.long)
-    problems = [(i, x) for i, (x, _) in enumerate(batch) if isinstance(x, str)]
-    if not problems:
-        first = batch[0][0].shape
-        problems = [(i, f"image is {tuple(x.shape)} (C, H, W), others are {tuple(first)}")
-                    for i, (x, _) in enumerate(batch) if x.shape != first]  # fmt: skip
-    if problems:
-        return None, labels, problems
-    return torch.stack([x for x, _ in batch]), labels, []
-
-
-def _decode_imagefolder(path: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    from torchvision.datasets import ImageFolder
-
-    ds = ImageFolder(path, loader=_read_image)
-    if len(ds) == 0:
-        raise DataError(f"{path}: no images found")
-    workers = min(16, os.cpu_count() or 1)
-    batch_size = 500
-    loader = torch.utils.data.DataLoader(
-        ds, batch_size=batch_size, num_workers=workers if workers > 1 else 0, collate_fn=_collate
-    )  # fmt: skip
-    xs, ys = [], []
-    for b, (x, y, problems) in enumerate(loader):
-        if not problems and xs and x.shape[1:] != xs[0].shape[1:]:
-            problems = [(0, f"image is {tuple(x.shape[1:])} (C, H, W), {ds.samples[0][0]} is {tuple(xs[0].shape[1:])}")]
-        if problems:
-            i, text = problems[0]
-            more = f" (and {len(problems) - 1} more in the same batch)" if len(problems) > 1 else ""
+def _stack(decoded: list, names: list[str], where: str) -> torch.Tensor:
+    """One (N, C, H, W) uint8 tensor from ``decode_cpu``/``decode_cuda`` results, or a DataError
+    that names the first file that is unusable."""
+    first_shape = None
+    for name, x in zip(names, decoded):
+        if isinstance(x, str):
+            raise DataError(f"{name}: corrupt or unusable image: {x}; delete or replace the file")
+        shape = tuple(x.shape[-1:] + x.shape[:2]) if not isinstance(x, torch.Tensor) else tuple(x.shape)
+        if first_shape is None:
+            first_shape, first = shape, name
+        elif shape != first_shape:
             raise DataError(
-                f"{ds.samples[b * batch_size + i][0]}: corrupt or unusable image: {text}{more}; "
+                f"{name}: corrupt or unusable image: image is {shape} (C, H, W), {first} is {first_shape}; "
                 "delete or replace the file"
             )
-        xs.append(x)
-        ys.append(y)
-    return torch.cat(xs), torch.cat(ys), list(ds.classes)
+    if not decoded:
+        raise DataError(f"{where}: no images found")
+    if isinstance(decoded[0], torch.Tensor):  # decode_cuda: CHW tensors on the GPU
+        return torch.stack(decoded).cpu()
+    import numpy as np
+
+    return torch.from_numpy(np.stack(decoded)).permute(0, 3, 1, 2).contiguous()
 
 
-def _decode(root: str, layout: str, download: bool, scratch: str) -> ImageSet:
+def _decode_split(names: list[str], items: list, decode: str, where: str) -> torch.Tensor:
+    if decode == "cuda":
+        blobs = [item if isinstance(item, bytes) else open(item, "rb").read() for item in items]
+        return _stack(decode_cuda(blobs), names, where)
+    return _stack(decode_cpu(items), names, where)
+
+
+def _decode(root: str, layout: str, download: bool, decode: str) -> ImageSet:
     if layout == "cifar10" or (layout == "missing" and download):
         from torchvision.datasets import CIFAR10
 
@@ -135,18 +115,24 @@ def _decode(root: str, layout: str, download: bool, scratch: str) -> ImageSet:
         return ImageSet(
             chw(tr.data), torch.tensor(tr.targets), chw(te.data), torch.tensor(te.targets), list(tr.classes)
         )
-    if layout == "archive":
-        with tarfile.open(root) as tf:
-            tf.extractall(scratch, filter="data")
-        inner = scratch
-        entries = [e for e in os.listdir(scratch) if not e.startswith(".")]
-        if "train" not in entries and len(entries) == 1:
-            inner = os.path.join(scratch, entries[0])
-        root = inner
-    if not (os.path.isdir(os.path.join(root, "train")) and os.path.isdir(os.path.join(root, "test"))):
-        raise DataError(f"{root}: expected train/ and test/ folders")
-    x_tr, y_tr, classes = _decode_imagefolder(os.path.join(root, "train"))
-    x_te, y_te, classes_te = _decode_imagefolder(os.path.join(root, "test"))
+    split: dict[str, tuple[torch.Tensor, torch.Tensor, list[str]]] = {}
+    try:
+        if layout == "archive":
+            for name, (images, classes) in read_archive(root).items():
+                names = [f"{root}:{n}" for n, _, _ in images]
+                x = _decode_split(names, [data for _, data, _ in images], decode, f"{root}:{name}")
+                split[name] = (x, torch.tensor([y for _, _, y in images], dtype=torch.long), classes)
+        else:
+            if not (os.path.isdir(os.path.join(root, "train")) and os.path.isdir(os.path.join(root, "test"))):
+                raise DataError(f"{root}: expected train/ and test/ folders")
+            for name in ("train", "test"):
+                samples, classes = list_imagefolder(os.path.join(root, name))
+                paths = [path for path, _ in samples]
+                x = _decode_split(paths, paths, decode, os.path.join(root, name))
+                split[name] = (x, torch.tensor([y for _, y in samples], dtype=torch.long), classes)
+    except ListingError as e:
+        raise DataError(str(e)) from e
+    (x_tr, y_tr, classes), (x_te, y_te, classes_te) = split["train"], split["test"]
     if classes != classes_te:
         raise DataError(f"{root}: train/ and test/ have different classes ({classes} vs {classes_te})")
     if x_tr.shape[1:] != x_te.shape[1:]:
@@ -159,12 +145,17 @@ def default_cache_dir() -> str:
     return os.path.join(base, "distlib")
 
 
-def load_image_set(root: str, *, download: bool = False, cache_dir: str = "") -> ImageSet:
+def load_image_set(root: str, *, download: bool = False, cache_dir: str = "", decode: str = "cpu") -> ImageSet:
     """Decode the data set at ``root`` (or read it from the cache) into uint8 tensors.
 
-    Raises DataError with what was expected and how to fix it when ``root``
-    holds no usable data.
+    ``decode``: how JPEGs are decoded the first time, "cpu" (PIL on every core) or "cuda"
+    (nvJPEG on the current GPU; pixels may differ from PIL's by a few levels). The cache
+    is memory-mapped, so reading it costs next to nothing until the pixels are used.
+    Raises DataError with what was expected and how to fix it when ``root`` holds no
+    usable data.
     """
+    if decode not in ("cpu", "cuda"):
+        raise DataError(f"data.decode={decode!r}: expected 'cpu' or 'cuda'")
     layout = _layout(root)
     if layout == "missing" and not download:
         raise DataError(
@@ -177,15 +168,14 @@ def load_image_set(root: str, *, download: bool = False, cache_dir: str = "") ->
     cache = os.path.join(cache_dir, f"images-{_signature(root, layout)}.pt") if layout != "missing" else ""
     if cache and os.path.exists(cache):
         try:
-            d = torch.load(cache, weights_only=True)
-            return ImageSet(d["x_train"], d["y_train"], d["x_test"], d["y_test"], list(d["classes"]))
+            d = torch.load(cache, weights_only=True, mmap=True)
+            return ImageSet(d["x_train"], d["y_train"], d["x_test"], d["y_test"], list(d["classes"]), "cache")
         except Exception:  # a truncated or foreign cache file: decode again
             pass
-    with tempfile.TemporaryDirectory(prefix="distlib-data-") as scratch:
-        try:
-            images = _decode(root, layout, download, scratch)
-        except (OSError, tarfile.TarError) as e:
-            raise DataError(f"data.root={root!r}: could not read the data set: {e}") from e
+    try:
+        images = _decode(root, layout, download, decode)
+    except (OSError, tarfile.TarError) as e:
+        raise DataError(f"data.root={root!r}: could not read the data set: {e}") from e
     if not cache:
         cache = os.path.join(cache_dir, f"images-{_signature(root, _layout(root))}.pt")
     os.makedirs(cache_dir, exist_ok=True)

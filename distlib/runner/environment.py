@@ -3,9 +3,12 @@ directory: enough to tell later why two runs differ."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -49,6 +52,20 @@ def _rank_info(ctx: Context) -> dict[str, Any]:
     return info
 
 
+def _torchvision_version() -> str | None:
+    """torchvision's version without importing it (seconds of start-up when the run does not need it)."""
+    if "torchvision" in sys.modules:
+        return sys.modules["torchvision"].__version__
+    spec = importlib.util.find_spec("torchvision")  # finds the package without running it
+    if spec is None:
+        return None
+    try:  # the file torchvision's __version__ comes from, with the build's local suffix (+cu130)
+        with open(os.path.join(spec.submodule_search_locations[0], "version.py")) as f:
+            return re.search(r"^__version__ = ['\"]([^'\"]+)", f.read(), re.M).group(1)
+    except (OSError, TypeError, IndexError, AttributeError):
+        return importlib.metadata.version("torchvision")
+
+
 def collect_environment(ctx: Context, repo_dir: str | None = None) -> dict[str, Any]:
     """Versions, GPUs, world size, git commit, and each rank's host and device.
 
@@ -61,12 +78,7 @@ def collect_environment(ctx: Context, repo_dir: str | None = None) -> dict[str, 
     ranks = collectives.all_gather_object(_rank_info(ctx))
     repo_dir = repo_dir or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cuda = torch.cuda.is_available()
-    try:
-        import torchvision
-
-        tv_version: str | None = torchvision.__version__
-    except ImportError:
-        tv_version = None
+    tv_version = _torchvision_version()
     return {
         "distlib": distlib.__version__,
         "python": sys.version.split()[0],

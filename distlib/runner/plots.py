@@ -6,8 +6,12 @@ no display needed, nothing that depends on the user's matplotlib backend.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +44,38 @@ def plot_curves(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> N
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
     fig.savefig(tmp, format="png")
     os.replace(tmp, path)  # a reader never sees half a PNG
+
+
+def plot_detached(metrics_path: str, path: str, title: str = "") -> subprocess.Popen:
+    """Draw the curves of ``metrics_path`` (metrics.jsonl) to ``path`` in a new process that
+    outlives this one, so that importing matplotlib and drawing do not delay the end of the run.
+
+    The child runs this file alone (no distlib, no torch import) in its own session, so that
+    torchrun's clean-up of the worker's process group does not stop it; its output goes
+    nowhere, so a pipe reading this process's output does not wait for it. A failure leaves
+    its traceback in ``path + ".error"``. The PNG appears atomically, up to a few seconds
+    after this process has exited.
+    """
+    code = (
+        "import importlib.util, sys; spec = importlib.util.spec_from_file_location('_curves', sys.argv[1]); "
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); m._main(sys.argv[2:])"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, os.path.abspath(__file__), metrics_path, path, title],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+
+
+def _main(argv: list[str]) -> None:
+    """``plot_detached``'s child: METRICS_JSONL PNG TITLE."""
+    metrics_path, path, title = argv
+    try:
+        with open(metrics_path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        plot_curves(rows, path, title)
+    except Exception:
+        with open(path + ".error", "w") as f:
+            f.write(traceback.format_exc())
 
 
 class CurvePlot:
@@ -75,3 +111,10 @@ class CurvePlot:
         if self.enabled and self.rows:
             plot_curves(self.rows, self.path, self.title)
             self._last = time.monotonic()
+
+    def write_detached(self, metrics_path: str) -> subprocess.Popen | None:
+        """Draw the final curves from ``metrics_path`` (which holds every row) in a process that
+        does not hold up this one's exit (``plot_detached``); None when disabled or empty."""
+        if self.enabled and self.rows:
+            return plot_detached(metrics_path, self.path, self.title)
+        return None

@@ -12,12 +12,15 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn
-from rich.table import Table
+
+if TYPE_CHECKING:  # rich is imported when first used: it is not needed to start training
+    from rich.console import Console
+    from rich.progress import Progress
+
+from distlib.runner.timeline import timeline_rows
 
 MODES = ("auto", "rich", "plain")
 
@@ -130,7 +133,11 @@ class TrainingProgress:
         if mode not in MODES:
             raise ValueError(f"progress mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.enabled = enabled
-        self.console = console if console is not None else Console(file=sys.stdout)
+        if console is None:
+            from rich.console import Console
+
+            console = Console(file=sys.stdout)
+        self.console = console
         self.mode = ("rich" if self.console.is_terminal else "plain") if mode == "auto" else mode
         self.refresh_s = refresh_s
         self.plain_every_s = plain_every_s
@@ -163,6 +170,8 @@ class TrainingProgress:
         self._next_plain = self.t_start + self.plain_every_s
         self._started = True
         if self.mode == "rich":
+            from rich.progress import BarColumn, Progress, TextColumn
+
             self._bar = Progress(
                 TextColumn("[bold]epoch {task.fields[epoch]}"),
                 BarColumn(),
@@ -226,15 +235,18 @@ class TrainingProgress:
         self.t_epoch = now
         self._next_plain = now + self.plain_every_s
 
-    def finish(self, rows: Sequence[dict[str, Any]]) -> None:
-        """Stop the live display and print the summary of ``rows`` (metrics.jsonl)."""
+    def finish(self, rows: Sequence[dict[str, Any]], timeline: dict[str, Any] | None = None) -> None:
+        """Stop the live display and print the summary of ``rows`` (metrics.jsonl), with the
+        start-up, training and teardown times of ``timeline`` (``Timeline.summary()``) if given."""
         if not self.enabled:
             return
         self.close()
-        summary = summarize(rows)
+        summary = summarize(rows) + (timeline_rows(timeline) if timeline else [])
         if not summary:
             return
         if self.mode == "rich":
+            from rich.table import Table
+
             table = Table(title="run summary", show_header=False)
             table.add_column(style="bold")
             table.add_column(justify="right")

@@ -41,6 +41,7 @@ from distlib.runner.progress import TrainingProgress
 from distlib.runner.run_dir import RunDir
 from distlib.runner.schedule import warmup_linear
 from distlib.runner.step import TrainStep, build_step
+from distlib.runner.timeline import Timeline
 from distlib.stop import StopSignal
 from distlib.watchdog import Watchdog
 
@@ -90,8 +91,11 @@ class Trainer:
     """Trains ``cfg`` on this rank. ``build``, ``fit`` and the stages they run are collectives:
     every rank must call them, in the same order. ``close`` is the one teardown."""
 
-    def __init__(self, cfg: Config, ctx: Context):
+    def __init__(self, cfg: Config, ctx: Context, timeline: Timeline | None = None):
         self.cfg, self.ctx = cfg, ctx
+        self.timeline = timeline or Timeline()
+        self.timeline.mark("init")  # config and process group (NCCL: CUDA context and communicator)
+        self.finished_rows: list[dict[str, Any]] | None = None  # metrics.jsonl once training completed
         self.log = distlib.get_logger()
         self.state = TrainState()
         self.progress = TrainingProgress(cfg.run.progress, enabled=ctx.is_main)  # rank 0 only
@@ -126,6 +130,7 @@ class Trainer:
             fused=True if t.cuda_graph and ctx.device.type == "cuda" else None,  # graphs need fused
         )  # fmt: skip
         self.step_fn = build_step(cfg, ctx, model, self.optimizer, self.per_rank)
+        self.timeline.mark("model")  # model, optimizer, gradient sync, graph set-up
         # weight averaging: evaluate an EMA of the weights (and BN buffers) when train.ema > 0
         self.ema = (AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(t.ema), use_buffers=True)
                     if t.ema > 0 else None)  # fmt: skip
@@ -140,18 +145,24 @@ class Trainer:
             cfg.model.name, count_params(model), len(self.y_train), len(self.y_test), t.batch_size,
             ctx.world_size, len(self.loader),
         )  # fmt: skip
+        self.timeline.mark("run_dir")  # config.yaml, environment.json
         if ctx.device.type == "cuda":
             self.warm_up()
+            self.timeline.mark("warmup")  # cuDNN autotuning, graph capture, first evaluation
         self.resume()
+        self.timeline.mark("resume")
 
     def _build_data(self) -> None:
         cfg, ctx = self.cfg, self.ctx
         with shared_errors(DataError):  # bad data: every rank stops with the same message
             if ctx.local_rank == 0:  # one decode per node; the others read the cache it leaves
-                images = load_image_set(cfg.data.root, download=cfg.data.download, cache_dir=cfg.data.cache_dir)
+                images = load_image_set(cfg.data.root, download=cfg.data.download, cache_dir=cfg.data.cache_dir,
+                                        decode=cfg.data.decode)  # fmt: skip
         with shared_errors(DataError):
             if ctx.local_rank != 0:
                 images = load_image_set(cfg.data.root, download=False, cache_dir=cfg.data.cache_dir)
+        self.timeline.mark("data")
+        self.timeline.note(data_source=images.source)
         x_train, y_train = images.x_train, images.y_train
         if cfg.data.train_subset:
             x_train, y_train = x_train[: cfg.data.train_subset], y_train[: cfg.data.train_subset]
@@ -168,6 +179,7 @@ class Trainer:
             cutout_size=aug.cutout, seed=cfg.train.seed, channels_last=cfg.model.channels_last,
         )  # fmt: skip
         self.x_test, self.y_test = images.x_test.to(device), images.y_test.to(device)
+        self.timeline.mark("loader")
 
     def warm_up(self) -> None:
         """cuDNN autotuning, lazy set-up and graph capture, outside the training clock; the
@@ -206,12 +218,14 @@ class Trainer:
         self.progress.start(epochs=t.epochs, steps_per_epoch=len(self.loader), images_per_step=t.batch_size,
                             start_epoch=s.epoch + 1, start_step=s.step)  # fmt: skip
         self.profiler.start()
+        self.timeline.training_started()
         while s.epoch < t.epochs:
             if not self.train_epoch():
                 return self.stop.exit_code
-        self.progress.finish(self.run.read_metrics())
-        self.curves.write()
+        self.finished_rows = self.run.read_metrics()  # the summary is printed after the teardown
+        self.curves.write_detached(self.run.metrics_path)  # curves.png appears shortly after the exit
         self.stop.close()
+        self.timeline.mark("plot")
         return 0
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -249,6 +263,7 @@ class Trainer:
             torch.cuda.synchronize()
         epoch_s = time.perf_counter() - t0
         s.train_s += epoch_s
+        self.timeline.add("train", epoch_s)
         last = epoch == t.epochs
         acc = self.evaluate(final=last) if last or epoch % t.eval_every == 0 else float("nan")
         train_loss = distlib.all_reduce(s.loss_sum, op="mean").item() / len(self.loader)
@@ -268,6 +283,8 @@ class Trainer:
         every = self.cfg.run.checkpoint_every
         if last or (every and epoch % every == 0):
             self.save_checkpoint()
+            if last:
+                self.timeline.mark("checkpoint")  # metrics row and final checkpoint
         self.progress.epoch_end(row)
         self.curves.add(row)
         return True
@@ -282,8 +299,11 @@ class Trainer:
         # rank evaluates the same model and the accuracy does not depend on the world size
         distlib.sync_buffers(model)
         acc = self._accuracy(model, tta=self.cfg.train.tta and final)
+        eval_s = time.perf_counter() - t_eval
+        self.timeline.add("eval", eval_s)
         if final:  # airbench's clock: training from the first step through the final evaluation
-            self.state.train_s += time.perf_counter() - t_eval
+            self.state.train_s += eval_s
+            self.timeline.training_finished()
         return acc
 
     def _accuracy(self, model: torch.nn.Module, tta: bool) -> float:
@@ -318,3 +338,9 @@ class Trainer:
         if self.watchdog is not None:
             self.watchdog.close()
         distlib.shutdown()  # the final barrier after success; nothing left to do after a failure
+        if self.finished_rows is not None:
+            self.timeline.mark("shutdown")
+            summary = self.timeline.finish()  # the last stamp the process can make; interpreter exit follows
+            if self.ctx.is_main:
+                self.timeline.write(os.path.join(self.run.path, "summary.json"))
+            self.progress.finish(self.finished_rows, summary)

@@ -8,13 +8,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 import distlib
 from distlib.runner.environment import environment_json, git_commit
-from distlib.runner.plots import CurvePlot, plot_curves
+from distlib.runner.plots import CurvePlot, plot_curves, plot_detached
 from tests.conftest import ROOT
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -43,6 +44,17 @@ def test_plot_curves_writes_a_png_also_with_skipped_evaluations(tmp_path):
     assert os.listdir(tmp_path / "sub") == ["curves.png"]  # the temporary file is gone
     plot_curves([{"epoch": 1, "train_loss": 1.0, "test_acc": None}], str(tmp_path / "one.png"))
     assert_png(tmp_path / "one.png")
+
+
+def test_detached_plot_draws_from_metrics_without_torch_and_reports_failures(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows(4, eval_every=2)))
+    assert plot_detached(str(metrics), str(tmp_path / "curves.png"), "demo").wait(timeout=120) == 0
+    assert_png(tmp_path / "curves.png")
+    assert not (tmp_path / "curves.png.error").exists()
+    plot_detached(str(tmp_path / "missing.jsonl"), str(tmp_path / "none.png")).wait(timeout=120)
+    assert not (tmp_path / "none.png").exists()
+    assert "FileNotFoundError" in (tmp_path / "none.png.error").read_text()
 
 
 def test_curve_plot_redraws_only_when_due_and_only_on_the_main_rank(tmp_path):
@@ -115,6 +127,12 @@ def test_launch_under_torchrun_leaves_its_outputs(tmp_path):
     assert sum(line.startswith("epoch") for line in lines) == 2  # not once per rank
     assert any(line.split() == ["world", "size", "2"] for line in lines)
 
+    assert any(line.strip().startswith("start to first step ") for line in lines)  # the timeline
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["to_first_step_s"] > 0 and summary["total_s"] >= summary["to_first_step_s"] + summary["train_s"]
+    deadline = time.monotonic() + 120  # the curves are drawn by a detached process, after the exit
+    while not (out / "curves.png").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert {"config.yaml", "metrics.jsonl", "environment.json", "curves.png", "profile"} <= set(os.listdir(out))
     assert_png(out / "curves.png")
     env_json = json.loads((out / "environment.json").read_text())

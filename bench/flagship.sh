@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Start-up and end-to-end time of the flagship, timed from outside, on one machine:
+#   the floor (torchrun of bench/floor.py: import torch, process group, one all_reduce),
+#   the flagship with a cold decode cache (the first decode of the JPEGs), then with the warm cache,
+#   three seeds in all where the time budget allows, one cold run decoding on the GPU (when there is one),
+#   and the import cost of launch.py and torchvision.
+# Usage: bench/flagship.sh DATA_ROOT [OUT_DIR]     (OUT_DIR default: $OUT, else .bench/flagship)
+# Env: RECIPE (recipes/cifar.yaml), NPROC (2), SEEDS ("0 1 2"), BUDGET_S (300: no new run starts after it),
+#      RUN_TIMEOUT_S (150 per run), EXTRA (more key=value overrides), PYTHON, TORCHRUN,
+#      WORK (/tmp/distlib-flagship: the runs' out_dirs with their checkpoints, and the decode caches).
+# Writes OUT_DIR/logs/*.log, OUT_DIR/runs/<name>/{summary.json,metrics.jsonl}, OUT_DIR/results.json; prints a table.
+set -u
+DATA=${1:?usage: bench/flagship.sh DATA_ROOT [OUT_DIR]}
+OUT_DIR=${2:-${OUT:-.bench/flagship}}
+RECIPE=${RECIPE:-recipes/cifar.yaml}
+NPROC=${NPROC:-2}
+SEEDS=${SEEDS:-0 1 2}
+BUDGET_S=${BUDGET_S:-300}
+RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-150}
+PYTHON=${PYTHON:-python}
+TORCHRUN=${TORCHRUN:-torchrun}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+WORK=${WORK:-/tmp/distlib-flagship}
+mkdir -p "$OUT_DIR/logs" "$OUT_DIR/runs" "$WORK/runs"
+RESULTS="$OUT_DIR/results.jsonl"
+: >"$RESULTS"
+CACHE="$WORK/cache"  # the decode cache of these runs only: the first flagship run finds it empty
+rm -rf "$CACHE" "$WORK/cache-gpu" "$WORK/runs"/* "$OUT_DIR/runs"/*
+T0=$(date +%s.%N)
+
+now() { date +%s.%N; }
+left() { "$PYTHON" -c "import sys; print(int(float(sys.argv[1]) - (float(sys.argv[2]) - float(sys.argv[3]))))" \
+  "$BUDGET_S" "$(now)" "$T0"; }
+
+# run NAME KIND SEED CMD...: time CMD from outside, record one JSON line
+run() {
+  local name=$1 kind=$2 seed=$3
+  shift 3
+  if [ "$(left)" -le 0 ]; then
+    echo "skipped $name: time budget of ${BUDGET_S}s spent" | tee -a "$OUT_DIR/logs/skipped.log"
+    return
+  fi
+  local t1 t2 rc
+  t1=$(now)
+  timeout -k 10 "$RUN_TIMEOUT_S" "$@" >"$OUT_DIR/logs/$name.log" 2>&1
+  rc=$?
+  t2=$(now)
+  "$PYTHON" bench/flagship_table.py record --name "$name" --kind "$kind" --seed "$seed" --rc "$rc" \
+    --wall "$t1" "$t2" --log "$OUT_DIR/logs/$name.log" --run-dir "$WORK/runs/$name" >>"$RESULTS"
+  if [ -d "$WORK/runs/$name" ]; then  # the small files only: checkpoints stay in $WORK
+    mkdir -p "$OUT_DIR/runs/$name"
+    cp "$WORK/runs/$name"/*.json "$WORK/runs/$name"/metrics.jsonl "$OUT_DIR/runs/$name/" 2>/dev/null
+  fi
+  echo "$name: rc=$rc $("$PYTHON" -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}s')" "$t1" "$t2")"
+}
+
+flagship() {  # flagship NAME KIND SEED
+  run "$1" "$2" "$3" "$TORCHRUN" --standalone --nproc-per-node="$NPROC" launch.py "$RECIPE" "data.root=$DATA" \
+    "data.cache_dir=$CACHE" "run.out_dir=$WORK/runs/$1" "train.seed=$3" run.resume=false run.progress=plain ${EXTRA:-}
+}
+
+run floor-1 floor - "$TORCHRUN" --standalone --nproc-per-node="$NPROC" bench/floor.py
+run floor-2 floor - "$TORCHRUN" --standalone --nproc-per-node="$NPROC" bench/floor.py
+first=1
+for seed in $SEEDS; do
+  if [ $first = 1 ]; then
+    flagship "cold-s$seed" cold "$seed"  # decodes the JPEGs and writes the cache
+    first=0
+  fi
+  flagship "warm-s$seed" warm "$seed"
+done
+# the first decode on the GPU (nvJPEG) instead of PIL on every core, into a cache of its own
+if "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  seed=${SEEDS%% *}
+  run "coldgpu-s$seed" coldgpu "$seed" "$TORCHRUN" --standalone --nproc-per-node="$NPROC" launch.py "$RECIPE" \
+    "data.root=$DATA" "data.cache_dir=$WORK/cache-gpu" "run.out_dir=$WORK/runs/coldgpu-s$seed" \
+    "train.seed=$seed" run.resume=false run.progress=plain data.decode=cuda ${EXTRA:-}
+fi
+# import costs in fresh processes (one process each, so that each one pays for the file system)
+run imports - - "$PYTHON" -c "
+import time; t = time.time()
+import torch; t1 = time.time()
+import launch; t2 = time.time()
+import torchvision; t3 = time.time()
+import matplotlib.pyplot; t4 = time.time()
+print(f'IMPORTS torch {t1 - t:.2f}s launch-after-torch {t2 - t1:.2f}s torchvision-after-launch {t3 - t2:.2f}s '
+      f'matplotlib {t4 - t3:.2f}s')"
+grep -h IMPORTS "$OUT_DIR/logs/imports.log"
+sleep 2  # the curves are drawn by a detached process after each run's exit
+"$PYTHON" bench/flagship_table.py table "$RESULTS" --runs "$WORK/runs" --json "$OUT_DIR/results.json"

@@ -1,0 +1,131 @@
+"""The first decode of an image set: the listing matches torchvision's ImageFolder, the
+parallel PIL decode (from folders and from a .tar.gz read in memory) gives the same pixels
+and labels as torchvision's ImageFolder with PIL, bad files are named, the cache is
+memory-mapped; and nvJPEG on a GPU agrees with PIL within JPEG-decoder differences."""
+
+import os
+import shutil
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+from distlib.runner.data import DataError, load_image_set
+from distlib.runner.image_decode import decode_cpu, decode_cuda, list_imagefolder
+from tests.conftest import ROOT
+
+DEMO = os.path.join(ROOT, "data", "cifar10-demo")
+
+
+def small_copy(root, per_class: int = 3, classes=("bird", "cat", "dog")) -> str:
+    for split in ("train", "test"):
+        for cls in classes:
+            src = os.path.join(DEMO, split, cls)
+            os.makedirs(os.path.join(root, split, cls))
+            for name in sorted(os.listdir(src))[:per_class]:
+                shutil.copy(os.path.join(src, name), os.path.join(root, split, cls, name))
+    return str(root)
+
+
+def reference(split_dir: str):
+    """torchvision's ImageFolder with PIL: what the runner decoded before."""
+    from torchvision.datasets import ImageFolder
+    from torchvision.transforms.functional import pil_to_tensor
+
+    ds = ImageFolder(split_dir)
+    x = torch.stack([pil_to_tensor(ds.loader(p)) for p, _ in ds.samples])
+    return ds.samples, ds.classes, x, torch.tensor(ds.targets)
+
+
+def test_listing_matches_imagefolder(tmp_path):
+    root = small_copy(tmp_path / "images")
+    nested = os.path.join(root, "train", "cat", "more")  # a sub-folder and a non-image file
+    os.makedirs(nested)
+    shutil.copy(os.path.join(DEMO, "train", "cat", "0000.jpg"), os.path.join(nested, "a.JPG"))
+    open(os.path.join(root, "train", "dog", "notes.txt"), "w").write("not an image")
+    samples, classes, _, _ = reference(os.path.join(root, "train"))
+    assert list_imagefolder(os.path.join(root, "train")) == ([tuple(s) for s in samples], classes)
+
+
+@pytest.mark.parametrize("layout", ["folder", "archive"])
+def test_decode_equals_imagefolder_with_pil(tmp_path, layout):
+    root = small_copy(tmp_path / "images", per_class=5)
+    data_root = root
+    if layout == "archive":  # one top folder around train/ and test/, as a downloaded archive has
+        data_root = str(tmp_path / "images.tar.gz")
+        with tarfile.open(data_root, "w:gz") as tf:
+            tf.add(root, arcname="cifar")
+    images = load_image_set(data_root, cache_dir=str(tmp_path / "cache"))
+    assert images.source == "decoded"
+    for split, x, y in (("train", images.x_train, images.y_train), ("test", images.x_test, images.y_test)):
+        _, classes, x_ref, y_ref = reference(os.path.join(root, split))
+        assert images.classes == classes
+        assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
+    again = load_image_set(data_root, cache_dir=str(tmp_path / "cache"))
+    assert again.source == "cache" and torch.equal(again.x_train, images.x_train)
+    assert torch.equal(again.y_test, images.y_test) and again.classes == images.classes
+
+
+def test_parallel_decode_keeps_order_and_reports_bad_items():
+    paths = [os.path.join(DEMO, "train", "cat", n) for n in sorted(os.listdir(os.path.join(DEMO, "train", "cat")))][:7]
+    items = [open(p, "rb").read() if i % 2 else p for i, p in enumerate(paths)]  # paths and bytes mixed
+    items.insert(3, b"this is not a JPEG")
+    serial = decode_cpu(items, workers=1)
+    parallel = decode_cpu(items, workers=3)
+    assert isinstance(parallel[3], str) and "cannot identify image file" in parallel[3]
+    assert serial[3] == parallel[3]
+    for a, b in zip(serial[:3] + serial[4:], parallel[:3] + parallel[4:]):
+        assert a.shape == (32, 32, 3) and np.array_equal(a, b)
+
+
+def test_corrupt_member_of_an_archive_is_named(tmp_path):
+    root = small_copy(tmp_path / "images")
+    bad = os.path.join(root, "train", "cat", sorted(os.listdir(os.path.join(root, "train", "cat")))[1])
+    open(bad, "wb").write(b"this is not a JPEG")
+    archive = str(tmp_path / "images.tar.gz")
+    with tarfile.open(archive, "w:gz") as tf:
+        tf.add(os.path.join(root, "train"), arcname="train")
+        tf.add(os.path.join(root, "test"), arcname="test")
+    name = "train/cat/" + os.path.basename(bad)
+    with pytest.raises(DataError, match=f"^{archive}:{name}: corrupt or unusable image: "):
+        load_image_set(archive, cache_dir=str(tmp_path / "cache"))
+
+
+@pytest.mark.gpus(1)
+def test_nvjpeg_decode_agrees_with_pil():
+    """nvJPEG and libjpeg(-turbo, under PIL) use different IDCT and chroma upsampling, so
+    pixels may differ by a few levels, more at sharp colour edges: the bound is torchvision's
+    own for its CUDA decoder, a mean absolute difference under 2 levels per image."""
+    paths = [os.path.join(DEMO, "test", c, n) for c in sorted(os.listdir(os.path.join(DEMO, "test")))
+             for n in sorted(os.listdir(os.path.join(DEMO, "test", c)))[:20]]  # fmt: skip
+    blobs = [open(p, "rb").read() for p in paths]
+    cpu = decode_cpu(blobs, workers=2)
+    gpu = decode_cuda(blobs, batch_size=64)  # several batches
+    assert len(gpu) == len(cpu) == len(paths)
+    for p, a, b in zip(paths, cpu, gpu):
+        assert b.device.type == "cuda" and b.dtype == torch.uint8
+        ref = torch.from_numpy(a).permute(2, 0, 1)
+        assert b.shape == ref.shape, p
+        assert (b.cpu().float() - ref.float()).abs().mean() < 2, p
+    bad = decode_cuda([blobs[0], b"this is not a JPEG", blobs[1]])
+    assert isinstance(bad[1], str) and torch.equal(bad[0].cpu(), gpu[0].cpu())
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+@pytest.mark.parametrize("long_name", [False, True])
+def test_tar_reading_matches_tarfile(tmp_path, fmt, long_name):
+    """The direct ustar reader, or tarfile where the archive needs it (long names, pax headers)."""
+    from distlib.runner.image_decode import _tar_files
+
+    root = small_copy(tmp_path / "images", per_class=2)
+    if long_name and fmt != tarfile.USTAR_FORMAT:  # ustar cannot store a 120-character name
+        deep = os.path.join(root, "train", "cat", "x" * 60, "y" * 60)
+        os.makedirs(deep)
+        shutil.copy(os.path.join(DEMO, "train", "cat", "0000.jpg"), os.path.join(deep, "long.jpg"))
+    archive = str(tmp_path / "a.tar")
+    with tarfile.open(archive, "w", format=fmt) as tf:
+        tf.add(root, arcname="top")
+    with tarfile.open(archive) as tf:
+        expected = [(m.name, tf.extractfile(m).read()) for m in tf if m.isfile()]
+    assert _tar_files(archive) == expected and len(expected) >= 12
