@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# One session on the 2-GPU machine, in parts that each fit one command (PARTS, space-separated):
+#   tests     the whole GPU suite: pytest -m gpu
+#   step      ResNet18-CIFAR images/s at 512 per GPU: DDP eager, DDP + compile (default and
+#             reduce-overhead), GradSync eager / + compile_for_sync / whole-step graph, with 1, 2 and 4
+#             communicators; and the eager GradSync step of the code in $BEFORE (an older checkout), side by side
+#   flagship  bench/flagship.sh (floor, cold and warm flagship runs, summary.json), the same flagship
+#             command on the code in $BEFORE (cold and warm), and the hand-written DDP baseline
+#   sweep     bench/recipe_sweep.sh (recipe candidates), when it exists
+# Needs the CIFAR-10 JPEG archive at $DATA (default .bench/cifar10-jpeg.tar.gz). Logs land in $OUT
+# (at most 8 files come back from the machine: the many small ones are packed into one .tgz per part).
+set -u
+PARTS=${PARTS:-tests step}
+OUT=${OUT:-.bench/out}
+DATA=${DATA:-.bench/cifar10-jpeg.tar.gz}
+BEFORE=${BEFORE:-.bench/before}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+TORCHRUN="python3 -m torch.distributed.run --standalone --nproc-per-node=2"
+T0=$SECONDS
+summary="$OUT/summary.txt"
+
+lim() {  # lim NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, note the outcome
+    local name=$1 limit=$2 t=$SECONDS rc
+    shift 2
+    timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    printf '%-22s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - t))" | tee -a "$summary"
+}
+
+{ nvidia-smi -L; python3 -c 'import torch, torchvision; print("torch", torch.__version__, "torchvision",
+  torchvision.__version__, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())'; } | tee -a "$summary"
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || cat .bench/COMMIT 2>/dev/null)" | tee -a "$summary"
+
+for part in $PARTS; do
+    case $part in
+    tests)
+        lim gpu_tests 540 python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs --durations=15 tests
+        tail -n 25 "$OUT/gpu_tests.log"
+        ;;
+    step)
+        lim step_new 240 $TORCHRUN -m bench.step step --modes ddp-eager,ddp-compile,distlib-eager,distlib-graph \
+            --comm-groups 1,2,4 --json "$OUT/step_new.json"
+        lim step_compile 200 $TORCHRUN -m bench.step step --modes ddp-eager,ddp-compile-default,distlib-compile \
+            --json "$OUT/step_compile.json"
+        (cd "$BEFORE" && lim step_before 90 $TORCHRUN -m distlib.bench step --modes ddp-eager,distlib-eager)
+        for f in step_new step_compile step_before; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done
+        ;;
+    flagship)
+        lim flagship 330 env BUDGET_S=200 bash bench/flagship.sh "$DATA" /tmp/flagship
+        tail -n 20 "$OUT/flagship.log"
+        abs_data=$(realpath "$DATA")
+        rm -rf /tmp/before-cache /tmp/before-runs
+        (cd "$BEFORE" && lim before_cold 120 $TORCHRUN launch.py recipes/cifar.yaml \
+            "data.root=$abs_data" data.cache_dir=/tmp/before-cache run.out_dir=/tmp/before-runs/cold run.progress=plain)
+        (cd "$BEFORE" && lim before_warm 90 $TORCHRUN launch.py recipes/cifar.yaml \
+            "data.root=$abs_data" data.cache_dir=/tmp/before-cache run.out_dir=/tmp/before-runs/warm run.progress=plain)
+        lim baseline_ddp_cifar 90 env TAR="$abs_data" EPOCHS=18 BATCH=256 $TORCHRUN bench/baselines/ddp_cifar.py
+        grep -h "test acc\|test_acc\|RESULT" "$OUT"/before_*.log "$OUT/baseline_ddp_cifar.log" | tail -n 12
+        tar -czf "$OUT/flagship_runs.tgz" -C /tmp flagship before-runs 2>/dev/null
+        ;;
+    sweep)
+        [ -f bench/recipe_sweep.sh ] && lim sweep 240 bash bench/recipe_sweep.sh "$DATA" && tail -n 12 "$OUT/sweep.log"
+        ;;
+    esac
+done
+echo "== session parts done in $((SECONDS - T0)) s"
+cat "$summary"
