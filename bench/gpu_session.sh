@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One session on the 2-GPU machine, in parts that each fit one command (PARTS, space-separated):
+# One session on the GPU machine (one process per GPU; 2 GPUs for the step part), in parts that each fit one command (PARTS, space-separated):
 #   tests     the whole GPU suite: pytest -m gpu
 #   step      ResNet18-CIFAR images/s at 512 per GPU: DDP eager, DDP + compile (default and
 #             reduce-overhead), GradSync eager / + compile_for_sync / whole-step graph, with 1, 2 and 4
@@ -17,7 +17,9 @@ BEFORE=${BEFORE:-.bench/before}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-TORCHRUN="python3 -m torch.distributed.run --standalone --nproc-per-node=2"
+NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | grep -c GPU)}  # one process per GPU
+export NPROC
+TORCHRUN="python3 -m torch.distributed.run --standalone --nproc-per-node=$NPROC"
 T0=$SECONDS
 summary="$OUT/summary.txt"
 
