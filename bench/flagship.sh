@@ -2,7 +2,7 @@
 # Start-up and end-to-end time of the flagship, timed from outside, on one machine:
 #   the floor (torchrun of bench/floor.py: import torch, process group, one all_reduce),
 #   the flagship with a cold decode cache (the first decode of the JPEGs), then with the warm cache,
-#   three seeds in all where the time budget allows, one cold run decoding on the GPU (when there is one),
+#   three seeds in all where the time budget allows,
 #   and the import cost of launch.py and torchvision.
 # Usage: bench/flagship.sh DATA_ROOT [OUT_DIR]     (OUT_DIR default: $OUT, else .bench/flagship)
 # Env: RECIPE (recipes/cifar.yaml), NPROC (2), SEEDS ("0 1 2"), BUDGET_S (300: no new run starts after it),
@@ -69,13 +69,6 @@ for seed in $SEEDS; do
   fi
   flagship "warm-s$seed" warm "$seed"
 done
-# the first decode on the GPU (nvJPEG) instead of PIL on every core, into a cache of its own
-if "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  seed=${SEEDS%% *}
-  run "coldgpu-s$seed" coldgpu "$seed" "$TORCHRUN" --standalone --nproc-per-node="$NPROC" launch.py "$RECIPE" \
-    "data.root=$DATA" "data.cache_dir=$WORK/cache-gpu" "run.out_dir=$WORK/runs/coldgpu-s$seed" \
-    "train.seed=$seed" run.resume=false run.progress=plain data.decode=cuda ${EXTRA:-}
-fi
 # import costs in fresh processes (one process each, so that each one pays for the file system)
 run imports - - "$PYTHON" -c "
 import time; t = time.time()

@@ -34,7 +34,6 @@ class DataConfig:
     root: str = "data/cifar10-demo"  # torchvision CIFAR-10 folder, or an ImageFolder with train/ and test/
     download: bool = False  # let torchvision download CIFAR-10 into root when it is missing
     cache_dir: str = ""  # where the decoded uint8 tensors are kept; "" = $XDG_CACHE_HOME/distlib or ~/.cache/distlib
-    decode: Literal["cpu", "cuda"] = "cpu"  # first decode of the images: PIL on every core, or nvJPEG on the GPU
     train_subset: int = 0  # use only the first N training images (0 = all)
     on_device: bool = True  # keep the whole decoded set on the device and augment there
     augment: AugmentConfig = field(default_factory=AugmentConfig)

@@ -1,4 +1,4 @@
-"""Decode many small image files at once: on every CPU core, or on the GPU with nvJPEG.
+"""Decode many small image files at once, on every CPU core.
 
 The CPU path runs PIL in worker processes started as plain interpreters that load only
 this file (stdlib, PIL, numpy): no torch or torchvision import, and no fork of a process
@@ -192,28 +192,4 @@ def decode_cpu(items: list[str | bytes], workers: int = 0) -> list:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return out
-
-
-def decode_cuda(blobs: list[bytes], device: str = "cuda", batch_size: int = 4096) -> list:
-    """Decode JPEG bytes on the GPU with nvJPEG (torchvision.io.decode_jpeg, in batches).
-
-    Returns CHW uint8 RGB tensors on ``device``, or a string for an item that cannot be
-    decoded (decoded again one by one to find it). nvJPEG's IDCT and chroma upsampling
-    differ from libjpeg's: pixel values may differ from ``decode_cpu``'s by a few levels.
-    """
-    import torch
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    out: list = []
-    for start in range(0, len(blobs), batch_size):
-        chunk = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs[start : start + batch_size]]
-        try:
-            out += decode_jpeg(chunk, mode=ImageReadMode.RGB, device=device)
-        except RuntimeError:  # one bad file fails the batch: find it
-            for data in chunk:
-                try:
-                    out.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
-                except RuntimeError as e:
-                    out.append(f"{type(e).__name__}: {e}")
     return out

@@ -156,8 +156,7 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         with shared_errors(DataError):  # bad data: every rank stops with the same message
             if ctx.local_rank == 0:  # one decode per node; the others read the cache it leaves
-                images = load_image_set(cfg.data.root, download=cfg.data.download, cache_dir=cfg.data.cache_dir,
-                                        decode=cfg.data.decode)  # fmt: skip
+                images = load_image_set(cfg.data.root, download=cfg.data.download, cache_dir=cfg.data.cache_dir)
         with shared_errors(DataError):
             if ctx.local_rank != 0:
                 images = load_image_set(cfg.data.root, download=False, cache_dir=cfg.data.cache_dir)
