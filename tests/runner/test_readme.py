@@ -62,3 +62,43 @@ def test_every_relative_link_leads_to_a_file():
             if not os.path.exists(path):
                 broken.append(f"{page}: {target}")
     assert not broken, "links to missing files:\n" + "\n".join(broken)
+
+
+# `tests/...py::name` in prose (a parametrized id such as `name[x]` names the function `name`)
+TEST_REF = re.compile(r"`(tests/[\w/]+\.py)::(\w+)(?:\[[^\]`]*\])?`")
+
+
+def missing_test_refs(text: str) -> list[str]:
+    """The `tests/FILE.py::NAME` references of ``text`` whose file lacks ``def NAME(``."""
+    missing = []
+    for path, name in TEST_REF.findall(text):
+        full = os.path.join(ROOT, path)
+        source = open(full).read() if os.path.isfile(full) else ""
+        if not re.search(rf"^\s*def {name}\(", source, re.M):
+            missing.append(f"{path}::{name}")
+    return missing
+
+
+def test_missing_test_refs_finds_what_is_not_there():
+    text = "`tests/runner/test_readme.py::test_readme_is_a_front_door` `tests/runner/test_readme.py::no_such_test` "
+    text += "`tests/no_such_file.py::test_x` `tests/runner/test_readme.py::test_readme_is_a_front_door[1]`"
+    assert missing_test_refs(text) == ["tests/runner/test_readme.py::no_such_test", "tests/no_such_file.py::test_x"]
+
+
+def test_every_test_named_in_the_testing_page_exists():
+    text = read(os.path.join("docs", "testing.md"))
+    assert len(TEST_REF.findall(text)) > 20, "docs/testing.md names no tests (the pattern no longer matches?)"
+    missing = missing_test_refs(text)
+    assert not missing, "docs/testing.md names tests that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_errors_the_readme_names_are_distlib_errors():
+    """The README's promise: every error distlib raises for bad input is a DistlibError, exported."""
+    import distlib
+
+    row = next(line for line in read("README.md").splitlines() if line.startswith("| `DistlibError`"))
+    names = re.findall(r"`(\w+)`", row.split("|")[1])
+    assert len(names) >= 5, row
+    for name in names:
+        assert name in distlib.__all__, f"the README names distlib.{name}, which distlib does not export"
+        assert issubclass(getattr(distlib, name), distlib.DistlibError), f"distlib.{name} is not a DistlibError"
