@@ -102,3 +102,12 @@ def test_the_errors_the_readme_names_are_distlib_errors():
     for name in names:
         assert name in distlib.__all__, f"the README names distlib.{name}, which distlib does not export"
         assert issubclass(getattr(distlib, name), distlib.DistlibError), f"distlib.{name} is not a DistlibError"
+
+
+def test_the_readme_api_table_names_every_export():
+    import distlib
+
+    section = read("README.md").split("## API at a glance", 1)[1].split("\n## ", 1)[0]
+    code = " ".join(re.findall(r"`([^`]*)`", section))
+    missing = [name for name in distlib.__all__ if not re.search(rf"\b{name}\b", code)]
+    assert not missing, f"README.md's API table does not name these exports of distlib: {missing}"
