@@ -200,6 +200,8 @@ class Trainer:
                                          is_main=self.ctx.is_main)  # fmt: skip
         self.objects = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
                         **({"ema": self.ema} if self.ema is not None else {}), "train_state": self.state}  # fmt: skip
+        if self.step_fn.update.scaler is not None:  # fp16: a resumed run carries on with the same loss scale
+            self.objects["scaler"] = self.step_fn.update.scaler
         self.fingerprint = fingerprint(self.model, steps_per_epoch=len(self.loader), **resume_settings(cfg))
         self.checkpointer.resume(self.objects, fingerprint=self.fingerprint, enabled=cfg.run.resume,
                                  epochs=cfg.train.epochs)  # fmt: skip
