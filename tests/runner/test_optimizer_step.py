@@ -60,8 +60,12 @@ def _fp16_rank(ctx, mode: str) -> list[tuple[list[torch.Tensor], float]]:
     step = build_step(cfg, ctx, model, _sgd(model, False), PER_RANK)
     scaler = step.update.scaler
     assert scaler is not None
-    history = [(_weights(model), scaler.get_scale())]
     rows = slice(ctx.rank * PER_RANK, (ctx.rank + 1) * PER_RANK)
+    start = _weights(model), scaler.state_dict()
+    x, y = _batches(1, ctx.world_size)[0]
+    step.warm_up(x[rows].to(ctx.device), y[rows].to(ctx.device), 2)  # undone: weights and the scaler's counts
+    assert all(torch.equal(a, b) for a, b in zip(start[0], _weights(model))) and scaler.state_dict() == start[1]
+    history = [(_weights(model), scaler.get_scale())]
     for k, (x, y) in enumerate(_batches(STEPS, ctx.world_size)):
         x = x[rows].clone()
         if k == INF_STEP and ctx.rank == 1:
