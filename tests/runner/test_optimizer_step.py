@@ -78,7 +78,15 @@ def _fp16_rank(ctx, mode: str) -> list[tuple[list[torch.Tensor], float]]:
 
 @pytest.mark.parametrize("mode", ["process_per_gpu", "fallback"])
 def test_fp16_skips_a_non_finite_step_on_every_rank(mode):
-    ranks = run_ranks(_fp16_rank, 2, mode)
+    _check_skipped_everywhere(run_ranks(_fp16_rank, 2, mode))
+
+
+@pytest.mark.gpus(2)
+def test_fp16_skips_a_non_finite_step_on_every_rank_with_nccl():
+    _check_skipped_everywhere(run_ranks(_fp16_rank, 2, "process_per_gpu", backend="nccl"))
+
+
+def _check_skipped_everywhere(ranks: list) -> None:
     for r, history in enumerate(ranks):
         for k in range(STEPS):
             (before, scale_before), (after, scale_after) = history[k], history[k + 1]
