@@ -52,7 +52,8 @@ class CapturedStep:
     bucket layout), the next one captures and replays, every later one replays. The returned
     loss is a static buffer, overwritten by the next call: accumulate it on the device
     (``total += loss``) or read it before the next step. A call with other input shapes or dtypes
-    runs eagerly (every rank must see the same shapes).
+    runs eagerly (every rank must see the same shapes). ``before_step()``, if given, runs between
+    the gradient sync and the optimizer step, captured with them: it must not sync with the host.
 
     With a GradSync, building and calling this are collectives: every rank must do the same.
     """
@@ -65,6 +66,7 @@ class CapturedStep:
         sync: GradSync | None = None,
         *,
         warmup_steps: int = 3,
+        before_step: Callable[[], None] | None = None,
     ):
         device = next(model.parameters()).device
         problem = capture_problem(device, optimizer)
@@ -77,6 +79,7 @@ class CapturedStep:
         self.loss_fn = loss_fn
         self.sync = sync
         self.warmup_steps = warmup_steps
+        self.before_step = before_step  # runs (and is captured) between the gradient sync and the step
         self.device = device
         self.steps = 0
         self.eager_steps = 0  # steps that could not replay (warm-up excluded)
@@ -96,6 +99,8 @@ class CapturedStep:
         loss.backward()
         if self.sync is not None:
             self.sync.wait()
+        if self.before_step is not None:
+            self.before_step()
         self.optimizer.step()
         return loss.detach()
 
@@ -133,6 +138,8 @@ class CapturedStep:
                 loss.backward()
                 if self.sync is not None:
                     self.sync.wait()
+                if self.before_step is not None:
+                    self.before_step()  # e.g. gradient clipping: device work only, no host sync
                 self.optimizer.step()
         except Exception as e:
             raise CaptureUnsupported(
@@ -220,6 +227,7 @@ def build_train_step(
     *,
     grad_accum: int = 1,
     warmup_steps: int = 3,
+    before_step: Callable[[], None] | None = None,
 ) -> CapturedStep | None:
     """A CapturedStep when ``enabled`` and possible here; otherwise None, with a warning naming
     why (the caller then runs its eager step)."""
@@ -230,4 +238,4 @@ def build_train_step(
     if problem:
         get_logger().warning("train.cuda_graph: %s; training eagerly", problem)
         return None
-    return CapturedStep(model, optimizer, loss_fn, sync, warmup_steps=warmup_steps)
+    return CapturedStep(model, optimizer, loss_fn, sync, warmup_steps=warmup_steps, before_step=before_step)

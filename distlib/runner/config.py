@@ -58,7 +58,8 @@ class TrainConfig:
     weight_decay: float = 5e-4  # not applied to BatchNorm weights and biases
     label_smoothing: float = 0.2  # of the cross-entropy targets
     warmup_frac: float = 0.15  # linear warm-up over this fraction of the steps, then linear decay to 0
-    precision: Literal["bf16", "fp32"] = "bf16"  # autocast dtype; bf16 falls back to fp32 on CPU
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"  # autocast dtype; bf16 is fp32 on CPU; fp16 adds a loss scaler
+    clip_grad_norm: float = 0.0  # clip the global gradient norm (after averaging) to this; 0 = off
     grad_accum: int = 1  # micro-steps per optimizer step (communication only on the last)
     ema: float = 0.0  # decay of an exponential moving average of the weights; 0 = off
     eval_every: int = 1  # evaluate every N epochs (the last epoch always)
@@ -252,6 +253,7 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         "run.checkpoint_every": cfg.run.checkpoint_every,
         "train.prewarm_steps": cfg.train.prewarm_steps,
         "train.tta_translate": cfg.train.tta_translate,
+        "train.clip_grad_norm": cfg.train.clip_grad_norm,
     }
     for path, value in non_negative.items():
         if value is not None and value < 0:
@@ -264,6 +266,12 @@ def _validate(cfg: Config, problems: list[str]) -> None:
     }.items():
         if value is not None and not 0.0 <= value < 1.0:
             problems.append(f"{path}: must be in [0, 1), got {value!r}")
+    if cfg.train.precision == "fp16" and cfg.train.cuda_graph:
+        # a GradScaler decides on the host whether to step; a replayed graph cannot ask it
+        problems.append(
+            "train.precision=fp16 with train.cuda_graph=true: the fp16 loss scaler cannot run inside a captured "
+            "step; use train.precision=bf16 (no scaler needed) or train.cuda_graph=false"
+        )
 
 
 def load_config(recipe: str | os.PathLike | None, overrides: list[str] = ()) -> Config:

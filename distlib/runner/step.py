@@ -10,7 +10,9 @@ The trainer sees only ``TrainStep``; ``build_step`` alone picks the implementati
   distlib/comm_fallback.py).
 
 Every step runs forward, backward, the gradient sync and the optimizer step, and returns this
-rank's mean loss (not synced). Calling a step is a collective: every rank must call it alike.
+rank's mean loss (not synced). Loss scaling (fp16) and gradient clipping are the shared
+``OptimizerStep``'s (runner/optimizer_step.py), run only on the averaged gradients. Calling
+a step is a collective: every rank must call it alike.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from distlib.comm_fallback import Replicas, node_devices
 from distlib.cuda_graph import build_train_step
 from distlib.process_group import Context, EnvError
 from distlib.runner.config import Config, ConfigError
+from distlib.runner.optimizer_step import OptimizerStep, autocast_dtype
 from distlib.runner.warmup import warm_up
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -38,6 +41,7 @@ class TrainStep:
 
     optimizer: torch.optim.Optimizer
     modules: list[nn.Module]  # every module the step changes (the model and any replicas of it)
+    update: OptimizerStep  # unscale, clip and step, on the averaged gradients
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -45,7 +49,11 @@ class TrainStep:
     def warm_up(self, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
         """Run ``steps`` real steps on ``(x, y)`` (cuDNN autotuning, lazy set-up, graph capture),
         then put the weights, buffers and optimizer state back as they were. A collective."""
+        scaler = self.update.scaler
+        saved = scaler.state_dict() if scaler is not None else None
         warm_up(lambda: self(x, y), self.modules, self.optimizer, steps)
+        if scaler is not None:
+            scaler.load_state_dict(saved)  # in place: the scale tensor keeps its storage
 
     def sync_buffers(self) -> None:
         """Bring the buffers of every device this process drives into the model, before it is
@@ -65,14 +73,19 @@ class GradSyncStep(TrainStep):
         sync: distlib.GradSync,
         loss_of: LossFn,  # (inputs, targets) -> mean loss, the model's forward inside
         *,
+        update: OptimizerStep,
         grad_accum: int = 1,
         cuda_graph: bool = False,
     ):
         self.model, self.optimizer, self.sync, self.loss_of = model, optimizer, sync, loss_of
         self.modules = [model]
+        self.update = update
         self.grad_accum = grad_accum
+        if cuda_graph and update.scaler is not None:  # load_config refuses this; a GradScaler's step syncs the host
+            raise ValueError("a captured CUDA-graph step cannot run a GradScaler")
         # the whole step as one CUDA graph, or None: eager (with a warning saying why, if it was asked for)
-        self.graph = build_train_step(cuda_graph, model, optimizer, loss_of, sync, grad_accum=grad_accum)
+        self.graph = build_train_step(cuda_graph, model, optimizer, loss_of, sync, grad_accum=grad_accum,
+                                      before_step=update.clip if update.clip_grad_norm > 0 else None)  # fmt: skip
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.graph is not None:  # forward, backward, all_reduce and SGD: one graph replay
@@ -83,11 +96,10 @@ class GradSyncStep(TrainStep):
         for k in range(n):
             with contextlib.nullcontext() if k == n - 1 else self.sync.no_sync():
                 micro_loss = self.loss_of(x[k * micro : (k + 1) * micro], y[k * micro : (k + 1) * micro])
-                (micro_loss / n).backward()
+                self.update.scale(micro_loss / n).backward()
                 self.sync.wait()
             loss += micro_loss.detach() / n
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.update.step()  # after wait(): the averaged gradients, the same on every rank
         return loss
 
     def close(self) -> None:
@@ -106,20 +118,22 @@ class ReplicasStep(TrainStep):
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn,  # (outputs, targets) -> mean loss of a shard
         *,
+        update: OptimizerStep,
         autocast_dtype: torch.dtype | None,
         grad_accum: int = 1,
     ):
-        self.replicas, self.optimizer, self.loss_fn = replicas, optimizer, loss_fn
+        self.replicas, self.optimizer, self.update = replicas, optimizer, update
+        self.loss_fn = lambda out, y: update.scale(loss_fn(out, y))  # scaled on each replica's device
         self.modules = list(replicas.models)
         self.autocast_dtype = autocast_dtype
         self.grad_accum = grad_accum
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.replicas.train_step(
+        scaled = self.replicas.train_step(
             x, y, self.loss_fn, autocast_dtype=self.autocast_dtype, grad_accum=self.grad_accum
         )
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        loss = scaled / self.update.scale(torch.ones_like(scaled))  # the scale this step's backward used
+        self.update.step()  # the root holds the gradients averaged over every GPU of every node
         return loss
 
     def sync_buffers(self) -> None:
@@ -132,7 +146,9 @@ def build_step(
     """The step for ``cfg.dist.mode``. ``per_rank``: this process's batch. A collective
     (GradSync and Replicas start from rank 0's weights): every rank must call it."""
     t = cfg.train
-    bf16 = torch.bfloat16 if t.precision == "bf16" and ctx.device.type == "cuda" else None
+    dtype = autocast_dtype(t.precision, ctx.device)
+    scaler = torch.amp.GradScaler(ctx.device.type) if dtype is torch.float16 else None
+    update = OptimizerStep(optimizer, scaler=scaler, clip_grad_norm=t.clip_grad_norm)
     if cfg.dist.mode == "fallback":
         try:
             devices = node_devices(ctx.device, ctx.local_world_size)
@@ -144,14 +160,16 @@ def build_step(
         except ValueError as e:
             raise ConfigError([f"train.batch_size={t.batch_size} with dist.mode=fallback: {e}"]) from e
         loss_fn = functools.partial(F.cross_entropy, label_smoothing=t.label_smoothing)
-        return ReplicasStep(replicas, optimizer, loss_fn, autocast_dtype=bf16, grad_accum=t.grad_accum)
+        return ReplicasStep(replicas, optimizer, loss_fn, update=update, autocast_dtype=dtype, grad_accum=t.grad_accum)
 
     sync = distlib.GradSync(model, bucket_mb=cfg.dist.bucket_mb, compress=cfg.dist.compress,
                             comm_groups=cfg.dist.comm_groups)  # fmt: skip
-    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16 is not None)
+    autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None)
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast:
             return F.cross_entropy(model(x).float(), y, label_smoothing=t.label_smoothing)
 
-    return GradSyncStep(model, optimizer, sync, loss_of, grad_accum=t.grad_accum, cuda_graph=t.cuda_graph)
+    return GradSyncStep(
+        model, optimizer, sync, loss_of, update=update, grad_accum=t.grad_accum, cuda_graph=t.cuda_graph
+    )

@@ -35,6 +35,7 @@ from distlib.runner.device_loader import DeviceLoader, normalize_stats
 from distlib.runner.environment import environment_json
 from distlib.runner.evaluation import evaluate
 from distlib.runner.models import build_model, count_params, param_groups
+from distlib.runner.optimizer_step import autocast_dtype
 from distlib.runner.plots import CurvePlot
 from distlib.runner.profiling import StepProfiler
 from distlib.runner.progress import TrainingProgress
@@ -135,8 +136,8 @@ class Trainer:
         self.ema = (AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(t.ema), use_buffers=True)
                     if t.ema > 0 else None)  # fmt: skip
         self.scheduler = warmup_linear(self.optimizer, t.epochs * len(self.loader), t.warmup_frac)
-        bf16 = t.precision == "bf16" and ctx.device.type == "cuda"
-        self.autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16)
+        dtype = autocast_dtype(t.precision, ctx.device)  # evaluation runs in the training's precision
+        self.autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None)
         self.run = RunDir(cfg.run.out_dir, ctx.is_main)
         self.run.write_text("config.yaml", dump_yaml(cfg))
         self.run.write_text("environment.json", environment_json(ctx))  # a collective: every rank calls it
@@ -198,6 +199,8 @@ class Trainer:
                                          is_main=self.ctx.is_main)  # fmt: skip
         self.objects = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
                         **({"ema": self.ema} if self.ema is not None else {}), "train_state": self.state}  # fmt: skip
+        if self.step_fn.update.scaler is not None:  # fp16: a resumed run carries on with the same loss scale
+            self.objects["scaler"] = self.step_fn.update.scaler
         self.fingerprint = fingerprint(self.model, steps_per_epoch=len(self.loader), **resume_settings(cfg))
         self.checkpointer.resume(self.objects, fingerprint=self.fingerprint, enabled=cfg.run.resume,
                                  epochs=cfg.train.epochs)  # fmt: skip

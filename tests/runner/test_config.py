@@ -100,6 +100,17 @@ def test_values_out_of_range(tmp_path):
     ]
 
 
+def test_precision_fp16_refuses_a_captured_cuda_graph(tmp_path):
+    assert load_config(None, ["train.precision=fp16"]).train.precision == "fp16"
+    assert load_config(None, ["train.precision=fp16", "train.cuda_graph=false"]).train.cuda_graph is False
+    assert load_config(None, ["train.precision=bf16", "train.cuda_graph=true"]).train.cuda_graph is True
+    found = problems(write(tmp_path, "train:\n  precision: fp16\n  cuda_graph: true\n"))
+    assert len(found) == 1 and "train.precision=fp16 with train.cuda_graph=true" in found[0], found
+    assert problems(None, ["train.precision=fp8"]) == [
+        "train.precision: expected one of 'bf16', 'fp16', 'fp32', got 'fp8'"
+    ]
+
+
 def test_several_problems_reported_at_once(tmp_path):
     path = write(tmp_path, "train:\n  epoch: 3\n  lr: fast\nmodel:\n  name: vgg\n")
     found = problems(path, ["dist.timeout_s=soon", "nonsense"])
@@ -212,6 +223,7 @@ NON_NEGATIVE = {  # must be >= 0
     "train.lr": float, "train.weight_decay": float, "profile.wait": int, "profile.warmup": int,
     "data.train_subset": int, "data.augment.crop_pad": int, "data.augment.cutout": int,
     "run.checkpoint_every": int, "train.prewarm_steps": int, "train.tta_translate": int,
+    "train.clip_grad_norm": float,
 }  # fmt: skip
 UNIT = ["train.warmup_frac", "train.ema", "train.label_smoothing", "train.momentum"]  # in [0, 1)
 UNBOUNDED = {"train.seed": int}

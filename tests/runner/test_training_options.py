@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 
 import pytest
+import torch
 
 import launch
 from distlib.grad_sync import GradSync
@@ -75,3 +77,13 @@ def test_compress_and_comm_groups_from_a_recipe_reach_gradsync(tmp_path, monkeyp
     run(tmp_path, "recipe", "train.epochs=1", recipe=str(recipe))
     assert len(seen) == 1
     assert (seen[0]["compress"], seen[0]["comm_groups"], seen[0]["bucket_mb"]) == ("bf16", 3, 2.5)
+
+
+def test_fp16_with_clipping_trains_and_checkpoints_the_loss_scale(tmp_path, baseline):
+    rows = run(tmp_path, "fp16", "train.precision=fp16", "train.clip_grad_norm=1.0")
+    losses = [r["train_loss"] for r in rows]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    assert losses != [r["train_loss"] for r in baseline]  # fp16 autocast and clipping did change the run
+    (path,) = sorted((tmp_path / "fp16" / "checkpoints").glob("*.pt"))[-1:]
+    scaler = torch.load(path, weights_only=False)["state"]["scaler"]
+    assert scaler["scale"] > 0 and scaler["_growth_tracker"] > 0, scaler  # steps were taken and counted

@@ -1,0 +1,53 @@
+"""The optimizer's half of every training step: fp16 loss scaling (``torch.amp.GradScaler``),
+gradient-norm clipping, the optimizer step.
+
+Call it only once the gradients are averaged over every rank (after ``GradSync.wait()``, or
+once Replicas has reduced them into the root): every rank then holds the same gradients, so
+the GradScaler's inf/nan check skips the same steps everywhere and the clipping norm is the
+norm of the global gradient, not of one rank's share.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of ``train.precision`` on ``device``; None: no autocast.
+    bf16 runs in fp32 on a CPU (slow there); fp16 autocasts on every device torch supports."""
+    dtype = PRECISIONS[precision]
+    if dtype is torch.bfloat16 and device.type != "cuda":
+        return None
+    return dtype
+
+
+class OptimizerStep:
+    """``scale(loss)`` before the backward; ``step()`` once the gradients are averaged:
+    unscale (fp16), clip the global norm, step (skipped by the scaler on inf/nan), zero the
+    gradients. ``clip()`` alone is what a captured CUDA graph runs between sync and step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, scaler: torch.amp.GradScaler | None, clip_grad_norm: float):
+        self.optimizer, self.scaler, self.clip_grad_norm = optimizer, scaler, clip_grad_norm
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def clip(self) -> None:
+        # error_if_nonfinite=False: no host sync, so this can run inside a captured graph;
+        # a non-finite norm only happens on a step the scaler skips anyway
+        if self.clip_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm, error_if_nonfinite=False)
+
+    def step(self) -> None:
+        if self.scaler is None:
+            self.clip()
+            self.optimizer.step()
+        else:
+            self.scaler.unscale_(self.optimizer)  # the averaged gradients: the same inf/nan check on every rank
+            self.clip()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
