@@ -28,8 +28,6 @@ def active(group: dist.ProcessGroup | None = None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-
-
 def world_size() -> int:
     return dist.get_world_size() if active() else 1
 

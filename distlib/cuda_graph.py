@@ -52,7 +52,9 @@ class CapturedStep:
     bucket layout), the next one captures and replays, every later one replays. The returned
     loss is a static buffer, overwritten by the next call: accumulate it on the device
     (``total += loss``) or read it before the next step. A call with other input shapes or dtypes
-    runs eagerly (every rank must see the same shapes).
+    runs eagerly (every rank must see the same shapes). ``post_step()``, if given, runs after the
+    optimizer step on both paths and is captured with it (e.g. ``distlib.EMA.update``): it must
+    not sync with the host, and must read what changes between steps from device tensors.
 
     With a GradSync, building and calling this are collectives: every rank must do the same.
     """
@@ -65,6 +67,7 @@ class CapturedStep:
         sync: GradSync | None = None,
         *,
         warmup_steps: int = 3,
+        post_step: Callable[[], None] | None = None,
     ):
         device = next(model.parameters()).device
         problem = capture_problem(device, optimizer)
@@ -77,6 +80,7 @@ class CapturedStep:
         self.loss_fn = loss_fn
         self.sync = sync
         self.warmup_steps = warmup_steps
+        self.post_step = post_step
         self.device = device
         self.steps = 0
         self.eager_steps = 0  # steps that could not replay (warm-up excluded)
@@ -97,6 +101,8 @@ class CapturedStep:
         if self.sync is not None:
             self.sync.wait()
         self.optimizer.step()
+        if self.post_step is not None:
+            self.post_step()
         return loss.detach()
 
     def _matches(self, inputs: tuple[torch.Tensor, ...]) -> bool:
@@ -134,6 +140,8 @@ class CapturedStep:
                 if self.sync is not None:
                     self.sync.wait()
                 self.optimizer.step()
+                if self.post_step is not None:
+                    self.post_step()
         except Exception as e:
             raise CaptureUnsupported(
                 f"capturing the training step as a CUDA graph failed ({type(e).__name__}: {e}); "
@@ -220,6 +228,7 @@ def build_train_step(
     *,
     grad_accum: int = 1,
     warmup_steps: int = 3,
+    post_step: Callable[[], None] | None = None,
 ) -> CapturedStep | None:
     """A CapturedStep when ``enabled`` and possible here; otherwise None, with a warning naming
     why (the caller then runs its eager step)."""
@@ -230,4 +239,4 @@ def build_train_step(
     if problem:
         get_logger().warning("train.cuda_graph: %s; training eagerly", problem)
         return None
-    return CapturedStep(model, optimizer, loss_fn, sync, warmup_steps=warmup_steps)
+    return CapturedStep(model, optimizer, loss_fn, sync, warmup_steps=warmup_steps, post_step=post_step)
