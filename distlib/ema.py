@@ -17,8 +17,8 @@ from torch import nn
 class EMA(nn.Module):
     """``ema.module`` is the average; call ``ema.update()`` after each optimizer step.
 
-    ``state_dict`` holds the averaged module's tensors (``module.*``); the decay is a setting,
-    not state. Non-floating buffers (BatchNorm's ``num_batches_tracked``) are copied.
+    ``state_dict`` holds the averaged module's tensors (``module.*``, as ``AveragedModel``'s does);
+    the decay is a setting, not state. Non-floating buffers (BatchNorm's ``num_batches_tracked``) are copied.
     """
 
     def __init__(self, model: nn.Module, decay: float):
@@ -54,6 +54,11 @@ class EMA(nn.Module):
             torch._foreach_add_(self._ema, diff)
         for e, m in self._copied:
             e.copy_(m)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Also reads the state of torch's ``AveragedModel`` (its update count is not needed here)."""
+        state_dict = {k: v for k, v in state_dict.items() if k != "n_averaged"}
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -134,6 +134,7 @@ class Trainer:
         self.step_fn = build_step(cfg, ctx, model, self.optimizer, self.per_rank,
                                   post_step=self.ema.update if self.ema is not None else None)  # fmt: skip
         if self.ema is not None:
+            self.ema.module.load_state_dict(model.state_dict())  # start from the weights the step broadcast
             self.step_fn.modules.append(self.ema.module)  # the warm-up puts the average back too
         self.timeline.mark("model")  # model, optimizer, gradient sync, graph set-up
         self.scheduler = warmup_linear(self.optimizer, t.epochs * len(self.loader), t.warmup_frac)

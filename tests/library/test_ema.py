@@ -48,6 +48,11 @@ def test_matches_averaged_model_over_steps():
     # the average is not the model: the test would pass trivially if update copied
     assert any((a - m).abs().max() > 1e-3 for a, m in zip(ours, _float_state(model)))
     assert set(ema.state_dict()) == {f"module.{k}" for k in model.state_dict()}
+    # a checkpoint of torch's AveragedModel loads (runs saved before distlib.EMA resume)
+    fresh = distlib.EMA(_net(), decay)
+    fresh.load_state_dict(ref.state_dict())
+    for a, b in zip(_float_state(fresh.module), theirs):
+        assert torch.equal(a, b)
     with pytest.raises(ValueError, match="decay must be in"):
         ema.set_decay(1.5)
 
