@@ -8,9 +8,9 @@ net = distlib.compile_for_sync(model, sync)  # torch.compile, the all_reduces st
 distlib.shutdown()
 
 Also here: ``Replicas`` (one process drives every GPU of its node), ``CapturedStep`` (a whole
-training step as a CUDA graph), ``Checkpointer``, ``StopSignal`` (SIGTERM/SIGINT stop every rank
-at one step boundary), ``Watchdog`` (ends a rank that stopped running), ``collectives``, and the
-errors they raise.
+training step as a CUDA graph), ``EMA`` (a weight average the graph can update), ``Checkpointer``,
+``StopSignal`` (SIGTERM/SIGINT stop every rank at one step boundary), ``Watchdog`` (ends a rank
+that stopped running), ``collectives``, and the errors they raise.
 """
 
 from distlib import collectives
@@ -27,6 +27,7 @@ from distlib.collectives import (
 from distlib.comm_fallback import Replicas
 from distlib.compile import compile_for_sync
 from distlib.cuda_graph import CapturedStep, CaptureUnsupported
+from distlib.ema import EMA
 from distlib.errors import DistlibError
 from distlib.grad_sync import GradSync
 from distlib.log import get_logger
@@ -46,6 +47,7 @@ __all__ = [
     "Checkpointer",
     "Context",
     "DistlibError",
+    "EMA",
     "EnvError",
     "ExactDistributedSampler",
     "GradSync",

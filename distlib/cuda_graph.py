@@ -53,7 +53,10 @@ class CapturedStep:
     loss is a static buffer, overwritten by the next call: accumulate it on the device
     (``total += loss``) or read it before the next step. A call with other input shapes or dtypes
     runs eagerly (every rank must see the same shapes). ``before_step()``, if given, runs between
-    the gradient sync and the optimizer step, captured with them: it must not sync with the host.
+    the gradient sync and the optimizer step (e.g. gradient clipping), ``post_step()`` after the
+    optimizer step (e.g. ``distlib.EMA.update``); both run on both paths and are captured with the
+    step: they must not sync with the host, and must read what changes between steps from device
+    tensors.
 
     With a GradSync, building and calling this are collectives: every rank must do the same.
     """
@@ -67,6 +70,7 @@ class CapturedStep:
         *,
         warmup_steps: int = 3,
         before_step: Callable[[], None] | None = None,
+        post_step: Callable[[], None] | None = None,
     ):
         device = next(model.parameters()).device
         problem = capture_problem(device, optimizer)
@@ -80,6 +84,7 @@ class CapturedStep:
         self.sync = sync
         self.warmup_steps = warmup_steps
         self.before_step = before_step  # runs (and is captured) between the gradient sync and the step
+        self.post_step = post_step  # runs (and is captured) after the optimizer step
         self.device = device
         self.steps = 0
         self.eager_steps = 0  # steps that could not replay (warm-up excluded)
@@ -102,6 +107,8 @@ class CapturedStep:
         if self.before_step is not None:
             self.before_step()
         self.optimizer.step()
+        if self.post_step is not None:
+            self.post_step()
         return loss.detach()
 
     def _matches(self, inputs: tuple[torch.Tensor, ...]) -> bool:
@@ -141,6 +148,8 @@ class CapturedStep:
                 if self.before_step is not None:
                     self.before_step()  # e.g. gradient clipping: device work only, no host sync
                 self.optimizer.step()
+                if self.post_step is not None:
+                    self.post_step()
         except Exception as e:
             raise CaptureUnsupported(
                 f"capturing the training step as a CUDA graph failed ({type(e).__name__}: {e}); "
@@ -228,6 +237,7 @@ def build_train_step(
     grad_accum: int = 1,
     warmup_steps: int = 3,
     before_step: Callable[[], None] | None = None,
+    post_step: Callable[[], None] | None = None,
 ) -> CapturedStep | None:
     """A CapturedStep when ``enabled`` and possible here; otherwise None, with a warning naming
     why (the caller then runs its eager step)."""
@@ -238,4 +248,6 @@ def build_train_step(
     if problem:
         get_logger().warning("train.cuda_graph: %s; training eagerly", problem)
         return None
-    return CapturedStep(model, optimizer, loss_fn, sync, warmup_steps=warmup_steps, before_step=before_step)
+    return CapturedStep(
+        model, optimizer, loss_fn, sync, warmup_steps=warmup_steps, before_step=before_step, post_step=post_step
+    )

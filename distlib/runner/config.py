@@ -61,7 +61,7 @@ class TrainConfig:
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"  # autocast dtype; bf16 is fp32 on CPU; fp16 adds a loss scaler
     clip_grad_norm: float = 0.0  # clip the global gradient norm (after averaging) to this; 0 = off
     grad_accum: int = 1  # micro-steps per optimizer step (communication only on the last)
-    ema: float = 0.0  # decay of an exponential moving average of the weights; 0 = off
+    ema: float = 0.0  # decay of a per-step average of the weights (ramped up early, in the graph); 0 = off
     eval_every: int = 1  # evaluate every N epochs (the last epoch always)
     tta: bool = True  # flip test-time augmentation in the final evaluation
     tta_translate: int = 0  # with tta: also views shifted by this many pixels (airbench uses 2)

@@ -1,4 +1,4 @@
-"""Learning-rate schedule: linear warm-up, then linear decay to zero."""
+"""Learning-rate schedule (linear warm-up, then linear decay to zero) and the weight EMA's decay ramp."""
 
 from __future__ import annotations
 
@@ -22,3 +22,10 @@ def warmup_linear(
     optimizer: torch.optim.Optimizer, total_steps: int, warmup_frac: float
 ) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupLinear(total_steps, warmup_frac))
+
+
+def ema_decay(decay: float, step: int) -> float:
+    """Decay of the weight EMA's update after optimizer step ``step`` (0-based): ``decay``, ramped
+    up as ``(1 + step) / (10 + step)`` early on (TensorFlow's ExponentialMovingAverage with
+    num_updates), so the average soon forgets the initial weights whatever the decay."""
+    return min(decay, (1 + step) / (10 + step))

@@ -9,10 +9,11 @@ The trainer sees only ``TrainStep``; ``build_step`` alone picks the implementati
 - ``fallback``: ``ReplicasStep``, one process drives every GPU of its node (distlib.Replicas,
   distlib/comm_fallback.py).
 
-Every step runs forward, backward, the gradient sync and the optimizer step, and returns this
-rank's mean loss (not synced). Loss scaling (fp16) and gradient clipping are the shared
-``OptimizerStep``'s (runner/optimizer_step.py), run only on the averaged gradients. Calling
-a step is a collective: every rank must call it alike.
+Every step runs forward, backward, the gradient sync, the optimizer step and ``post_step`` (the
+weight EMA's update; inside the graph when there is one), and returns this rank's mean loss
+(not synced). Loss scaling (fp16) and gradient clipping are the shared ``OptimizerStep``'s
+(runner/optimizer_step.py), run only on the averaged gradients. Calling a step is a collective:
+every rank must call it alike.
 """
 
 from __future__ import annotations
@@ -76,8 +77,10 @@ class GradSyncStep(TrainStep):
         update: OptimizerStep,
         grad_accum: int = 1,
         cuda_graph: bool = False,
+        post_step: Callable[[], None] | None = None,
     ):
         self.model, self.optimizer, self.sync, self.loss_of = model, optimizer, sync, loss_of
+        self.post_step = post_step
         self.modules = [model]
         self.update = update
         self.grad_accum = grad_accum
@@ -85,7 +88,8 @@ class GradSyncStep(TrainStep):
             raise ValueError("a captured CUDA-graph step cannot run a GradScaler")
         # the whole step as one CUDA graph, or None: eager (with a warning saying why, if it was asked for)
         self.graph = build_train_step(cuda_graph, model, optimizer, loss_of, sync, grad_accum=grad_accum,
-                                      before_step=update.clip if update.clip_grad_norm > 0 else None)  # fmt: skip
+                                      before_step=update.clip if update.clip_grad_norm > 0 else None,
+                                      post_step=post_step)  # fmt: skip
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.graph is not None:  # forward, backward, all_reduce and SGD: one graph replay
@@ -100,6 +104,8 @@ class GradSyncStep(TrainStep):
                 self.sync.wait()
             loss += micro_loss.detach() / n
         self.update.step()  # after wait(): the averaged gradients, the same on every rank
+        if self.post_step is not None:
+            self.post_step()
         return loss
 
     def close(self) -> None:
@@ -121,9 +127,11 @@ class ReplicasStep(TrainStep):
         update: OptimizerStep,
         autocast_dtype: torch.dtype | None,
         grad_accum: int = 1,
+        post_step: Callable[[], None] | None = None,
     ):
         self.replicas, self.optimizer, self.update = replicas, optimizer, update
         self.loss_fn = lambda out, y: update.scale(loss_fn(out, y))  # scaled on each replica's device
+        self.post_step = post_step
         self.modules = list(replicas.models)
         self.autocast_dtype = autocast_dtype
         self.grad_accum = grad_accum
@@ -134,6 +142,8 @@ class ReplicasStep(TrainStep):
         )
         loss = scaled / self.update.scale(torch.ones_like(scaled))  # the scale this step's backward used
         self.update.step()  # the root holds the gradients averaged over every GPU of every node
+        if self.post_step is not None:
+            self.post_step()
         return loss
 
     def sync_buffers(self) -> None:
@@ -141,9 +151,15 @@ class ReplicasStep(TrainStep):
 
 
 def build_step(
-    cfg: Config, ctx: Context, model: nn.Module, optimizer: torch.optim.Optimizer, per_rank: int
+    cfg: Config,
+    ctx: Context,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    per_rank: int,
+    post_step: Callable[[], None] | None = None,
 ) -> TrainStep:
-    """The step for ``cfg.dist.mode``. ``per_rank``: this process's batch. A collective
+    """The step for ``cfg.dist.mode``. ``per_rank``: this process's batch. ``post_step``: run after
+    each optimizer step (captured with it). A collective
     (GradSync and Replicas start from rank 0's weights): every rank must call it."""
     t = cfg.train
     dtype = autocast_dtype(t.precision, ctx.device)
@@ -160,7 +176,8 @@ def build_step(
         except ValueError as e:
             raise ConfigError([f"train.batch_size={t.batch_size} with dist.mode=fallback: {e}"]) from e
         loss_fn = functools.partial(F.cross_entropy, label_smoothing=t.label_smoothing)
-        return ReplicasStep(replicas, optimizer, loss_fn, update=update, autocast_dtype=dtype, grad_accum=t.grad_accum)
+        return ReplicasStep(replicas, optimizer, loss_fn, update=update, autocast_dtype=dtype, grad_accum=t.grad_accum,
+                            post_step=post_step)  # fmt: skip
 
     sync = distlib.GradSync(model, bucket_mb=cfg.dist.bucket_mb, compress=cfg.dist.compress,
                             comm_groups=cfg.dist.comm_groups)  # fmt: skip
@@ -170,6 +187,5 @@ def build_step(
         with autocast:
             return F.cross_entropy(model(x).float(), y, label_smoothing=t.label_smoothing)
 
-    return GradSyncStep(
-        model, optimizer, sync, loss_of, update=update, grad_accum=t.grad_accum, cuda_graph=t.cuda_graph
-    )
+    return GradSyncStep(model, optimizer, sync, loss_of, update=update, grad_accum=t.grad_accum,
+                        cuda_graph=t.cuda_graph, post_step=post_step)  # fmt: skip

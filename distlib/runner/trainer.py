@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import distlib
 from distlib.checkpoint import Checkpointer, fingerprint
@@ -40,7 +39,7 @@ from distlib.runner.plots import CurvePlot
 from distlib.runner.profiling import StepProfiler
 from distlib.runner.progress import TrainingProgress
 from distlib.runner.run_dir import RunDir
-from distlib.runner.schedule import warmup_linear
+from distlib.runner.schedule import ema_decay, warmup_linear
 from distlib.runner.step import TrainStep, build_step
 from distlib.runner.timeline import Timeline
 from distlib.stop import StopSignal
@@ -130,11 +129,15 @@ class Trainer:
             param_groups(model, t.weight_decay), lr=t.lr, momentum=t.momentum, nesterov=t.nesterov,
             fused=True if t.cuda_graph and ctx.device.type == "cuda" else None,  # graphs need fused
         )  # fmt: skip
-        self.step_fn = build_step(cfg, ctx, model, self.optimizer, self.per_rank)
+        # weight averaging: evaluate an EMA of the weights (and BN buffers) when train.ema > 0; the
+        # step updates it after the optimizer, inside the CUDA graph when there is one
+        self.ema = distlib.EMA(model, ema_decay(t.ema, 0)) if t.ema > 0 else None
+        self.step_fn = build_step(cfg, ctx, model, self.optimizer, self.per_rank,
+                                  post_step=self.ema.update if self.ema is not None else None)  # fmt: skip
+        if self.ema is not None:
+            self.ema.module.load_state_dict(model.state_dict())  # start from the weights the step broadcast
+            self.step_fn.modules.append(self.ema.module)  # the warm-up puts the average back too
         self.timeline.mark("model")  # model, optimizer, gradient sync, graph set-up
-        # weight averaging: evaluate an EMA of the weights (and BN buffers) when train.ema > 0
-        self.ema = (AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(t.ema), use_buffers=True)
-                    if t.ema > 0 else None)  # fmt: skip
         self.scheduler = warmup_linear(self.optimizer, t.epochs * len(self.loader), t.warmup_frac)
         dtype = autocast_dtype(t.precision, ctx.device)  # evaluation runs in the training's precision
         self.autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None)
@@ -231,14 +234,14 @@ class Trainer:
         return 0
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """One optimizer step, the schedule and the EMA."""
+        """One optimizer step (the EMA's update included), the schedule."""
         device = self.ctx.device
+        if self.ema is not None:
+            self.ema.set_decay(ema_decay(self.cfg.train.ema, self.state.epoch * len(self.loader) + self.state.step))
         loss = self.step_fn(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
         self.state.loss_sum += loss
         self.state.step += 1
         self.scheduler.step()
-        if self.ema is not None:
-            self.ema.update_parameters(self.model)
         self.profiler.step()
         self.progress.step(loss)  # cheap: the loss is read only when the display redraws
 

@@ -29,7 +29,14 @@ from distlib.watchdog import grace_s
 from tests.conftest import ROOT, free_port
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-DEMO = ["recipes/demo.yaml", "train.epochs=3", "data.train_subset=2048", "model.width=8", "run.checkpoint_every=1"]
+DEMO = [
+    "recipes/demo.yaml",
+    "train.epochs=3",
+    "data.train_subset=2048",
+    "model.width=8",
+    "run.checkpoint_every=1",
+    "train.ema=0.9",
+]  # the weight average too must resume bit for bit
 CPU = ["dist.backend=gloo"]  # gloo ranks use the CPU even where a GPU exists
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 FINAL = "epoch0003-step000000.pt"

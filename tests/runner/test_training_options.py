@@ -51,6 +51,15 @@ def test_ema_evaluates_the_averaged_weights(tmp_path, baseline):
     assert [r["test_acc"] for r in ema] != [r["test_acc"] for r in baseline], (ema, baseline)
 
 
+def test_ema_decay_ramps_up_to_the_configured_decay():
+    from distlib.runner.schedule import ema_decay
+
+    ramp = [ema_decay(0.99, n) for n in range(2000)]
+    assert ramp[0] == pytest.approx(0.1)  # the first update nearly copies the trained weights
+    assert all(a <= b for a, b in zip(ramp, ramp[1:])) and ramp[-1] == 0.99
+    assert ema_decay(0.5, 0) == pytest.approx(0.1) and ema_decay(0.5, 8) == 0.5
+
+
 def test_tta_translate_changes_only_the_final_evaluation(tmp_path, baseline):
     shifted = run(tmp_path, "tta", "train.tta_translate=2")
     assert [r["train_loss"] for r in shifted] == [r["train_loss"] for r in baseline]
