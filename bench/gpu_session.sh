@@ -63,7 +63,7 @@ for part in $PARTS; do
         tar -czf "$OUT/flagship_runs.tgz" -C /tmp flagship before-runs 2>/dev/null
         ;;
     sweep)
-        [ -f bench/recipe_sweep.sh ] && lim sweep 240 bash bench/recipe_sweep.sh "$DATA" && tail -n 12 "$OUT/sweep.log"
+        [ -f bench/recipe_sweep.sh ] && lim sweep 330 bash bench/recipe_sweep.sh "$DATA" && tail -n 12 "$OUT/sweep.log"
         ;;
     esac
 done

@@ -19,6 +19,8 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 
 # name|overrides — on top of the recipe (20 epochs, batch 512, lr 0.4, alternating flip, flip+translate TTA)
 CANDIDATES=(
+  # the recipe as it is: the reference in the same session
+  "base|"
   # the flagship plus the weight EMA, now updated inside the CUDA graph (was +0.1..0.4 points at 15% throughput)
   "ema|train.ema=0.99"
   # + cutout 8x8, as in the ResNet that reached 94% in 24 epochs at batch 512 ("How to train your ResNet")
