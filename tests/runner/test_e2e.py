@@ -64,20 +64,6 @@ def check_rows(rows: list[dict], epochs: int, world_size: int) -> None:
 
 
 @pytest.mark.slow
-def test_torchrun_two_ranks_writes_config_and_metrics(tmp_path, cache_dir):
-    out = tmp_path / "run"
-    proc = launch([DEMO, "train.epochs=2", f"run.out_dir={out}", f"data.cache_dir={cache_dir}"], nproc=2)
-    config, rows = read_run(out)
-    assert config["train"]["epochs"] == 2 and config["run"]["out_dir"] == str(out)
-    assert config["model"]["name"] == "small_cnn" and config["run"]["name"] == "demo"
-    check_rows(rows, epochs=2, world_size=2)
-    # rank 0 prints information, rank 1 does not
-    # (the per-epoch lines are the progress display's, on rank 0's stdout)
-    assert "epoch 2/2" in proc.stdout and "[distlib rank 0] INFO initialized" in proc.stderr
-    assert "[distlib rank 1] INFO" not in proc.stderr
-
-
-@pytest.mark.slow
 def test_world_size_1_with_python(tmp_path, cache_dir):
     out = tmp_path / "run"
     proc = launch(
@@ -90,12 +76,20 @@ def test_world_size_1_with_python(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
-def test_demo_recipe_reaches_30_percent(tmp_path, cache_dir):
-    """What `make demo` promises: the default demo, two processes, well above chance (10%)."""
+def test_demo_recipe_reaches_30_percent_and_writes_config_and_metrics(tmp_path, cache_dir):
+    """What `make demo` promises: the default demo, two processes under torchrun, well above chance
+    (10%); its resolved config and one metrics row per epoch in run.out_dir; only rank 0 informs."""
     out = tmp_path / "demo"
-    launch([DEMO, f"run.out_dir={out}", f"data.cache_dir={cache_dir}"], nproc=2)
+    proc = launch([DEMO, "train.seed=5", f"run.out_dir={out}", f"data.cache_dir={cache_dir}"], nproc=2)
     config, rows = read_run(out)
-    check_rows(rows, epochs=config["train"]["epochs"], world_size=2)
+    assert config["train"]["seed"] == 5 and config["run"]["out_dir"] == str(out)  # the overrides, resolved
+    assert config["model"]["name"] == "small_cnn" and config["run"]["name"] == "demo"
+    epochs = config["train"]["epochs"]
+    check_rows(rows, epochs=epochs, world_size=2)
+    # rank 0 prints information, rank 1 does not (the per-epoch lines are the progress display's,
+    # on rank 0's stdout)
+    assert f"epoch {epochs}/{epochs}" in proc.stdout and "[distlib rank 0] INFO initialized" in proc.stderr
+    assert "[distlib rank 1] INFO" not in proc.stderr
     print(f"demo: test_acc {rows[-1]['test_acc']:.3f} after {rows[-1]['elapsed_s']:.1f} s of training")
     assert rows[-1]["test_acc"] >= 0.30, rows[-1]
 

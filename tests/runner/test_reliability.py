@@ -232,7 +232,8 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_to_the_same_result(tmp
     os.kill(job.workers()[1], signal.SIGKILL)
     assert job.wait() == 0, job.output[-4000:]
     assert "rank 0 lost the connection to another rank in " in job.output
-    assert "failed (exitcode: -9) local_rank: 1" in job.output
+    # (which failure torchrun's agent reports first, rank 1's SIGKILL or rank 0's exit, depends on
+    # the machine's load: not asserted)
     assert "resuming from" in job.output and "epoch0001-step000000.pt" in job.output
     epochs = [r["epoch"] for r in metrics(out)]
     assert epochs == [1, 2, 3]  # no epoch twice, none skipped
