@@ -17,9 +17,12 @@ pytestmark = pytest.mark.gpus(1)
 EXAMPLE = os.path.join(ROOT, "examples", "dataparallel_to_fallback")
 
 
+EPOCHS = 6  # 90 steps: two epochs (30 steps) left the test accuracy of both scripts within noise of chance
+
+
 def _run(script: str) -> tuple[list[float], list[float], float]:
     proc = subprocess.run(
-        [sys.executable, os.path.join(EXAMPLE, script), "--epochs", "2"],
+        [sys.executable, os.path.join(EXAMPLE, script), "--epochs", str(EPOCHS)],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=ROOT),  # the examples import distlib from the checkout
         capture_output=True,
@@ -30,7 +33,7 @@ def _run(script: str) -> tuple[list[float], list[float], float]:
     print(script, proc.stdout)
     epochs = re.findall(r"epoch \d+ loss ([\d.]+) (\d+) img/s", proc.stdout)
     acc = re.search(r"test_acc ([\d.]+)", proc.stdout)
-    assert len(epochs) == 2 and acc, proc.stdout
+    assert len(epochs) == EPOCHS and acc, proc.stdout
     return [float(loss) for loss, _ in epochs], [float(ips) for _, ips in epochs], float(acc.group(1))
 
 
@@ -38,7 +41,7 @@ def test_dataparallel_script_and_its_fallback_port_both_train():
     before_loss, before_ips, before_acc = _run("before.py")
     after_loss, after_ips, after_acc = _run("after.py")
     for losses in (before_loss, after_loss):
-        assert losses[1] < losses[0]  # learning
-    # above chance (0.10) after two short epochs; broken BatchNorm statistics would sit at chance
-    assert after_acc > 0.11 and before_acc > 0.11, (before_acc, after_acc)
-    print(f"images/s, second epoch: nn.DataParallel {before_ips[1]:.0f}, fallback {after_ips[1]:.0f}")
+        assert losses[-1] < losses[0]  # learning
+    # well above chance (0.10): broken BatchNorm statistics in the port would sit near chance
+    assert after_acc > 0.2 and before_acc > 0.2, (before_acc, after_acc)
+    print(f"images/s, last epoch: nn.DataParallel {before_ips[-1]:.0f}, fallback {after_ips[-1]:.0f}")
