@@ -33,7 +33,8 @@ lim() {  # lim NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log,
 
 { nvidia-smi -L; python3 -c 'import torch, torchvision; print("torch", torch.__version__, "torchvision",
   torchvision.__version__, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())'; } | tee -a "$summary"
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || cat .bench/COMMIT 2>/dev/null)" | tee -a "$summary"
+# the commit sent (write it to .bench/COMMIT before the call: the device copy's .git may be stale)
+echo "commit $(cat .bench/COMMIT 2>/dev/null || git rev-parse --short HEAD)" | tee -a "$summary"
 
 for part in $PARTS; do
     case $part in
