@@ -39,16 +39,17 @@ echo "commit $(cat .bench/COMMIT 2>/dev/null || git rev-parse --short HEAD)" | t
 for part in $PARTS; do
     case $part in
     tests)
-        lim gpu_tests 540 python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs --durations=15 tests
+        lim gpu_tests "${TESTS_S:-540}" python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs --durations=15 tests
         tail -n 25 "$OUT/gpu_tests.log"
         ;;
     step)
-        lim step_new 240 $TORCHRUN -m bench.step step --modes ddp-eager,ddp-compile,distlib-eager,distlib-graph \
-            --comm-groups 1,2,4 --json "$OUT/step_new.json"
-        lim step_compile 200 $TORCHRUN -m bench.step step --modes ddp-eager,ddp-compile-default,distlib-compile \
-            --json "$OUT/step_compile.json"
         (cd "$BEFORE" && lim step_before 90 $TORCHRUN -m distlib.bench step --modes ddp-eager,distlib-eager)
-        for f in step_new step_compile step_before; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done
+        lim step_new "${STEP_S:-240}" $TORCHRUN -m bench.step step \
+            --modes ddp-eager,ddp-compile,distlib-eager,distlib-graph --comm-groups "${GROUPS:-1,2,4}" \
+            --json "$OUT/step_new.json"
+        lim step_compile "${COMPILE_S:-200}" $TORCHRUN -m bench.step step \
+            --modes ddp-eager,ddp-compile-default,distlib-compile --json "$OUT/step_compile.json"
+        for f in step_before step_new step_compile; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done
         ;;
     flagship)
         lim flagship 330 env BUDGET_S=200 bash bench/flagship.sh "$DATA" /tmp/flagship
