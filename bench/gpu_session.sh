@@ -45,7 +45,7 @@ for part in $PARTS; do
     step)
         (cd "$BEFORE" && lim step_before 90 $TORCHRUN -m distlib.bench step --modes ddp-eager,distlib-eager)
         lim step_new "${STEP_S:-240}" $TORCHRUN -m bench.step step \
-            --modes ddp-eager,ddp-compile,distlib-eager,distlib-graph --comm-groups "${GROUPS:-1,2,4}" \
+            --modes ddp-eager,ddp-compile,distlib-eager,distlib-graph --comm-groups "${COMM_GROUPS:-1,2,4}" \
             --json "$OUT/step_new.json"
         lim step_compile "${COMPILE_S:-200}" $TORCHRUN -m bench.step step \
             --modes ddp-eager,ddp-compile-default,distlib-compile --json "$OUT/step_compile.json"
