@@ -293,6 +293,22 @@ def _loss_fn(model: nn.Module, device: torch.device, bf16: bool) -> Callable[...
     return loss_fn
 
 
+def _eager_step(loss_fn, opt, sync, x, y, mark_step: bool = False) -> Callable[[], None]:
+    """One training step: forward, backward, GradSync's wait (when there is one), optimizer step."""
+
+    def step() -> None:
+        if mark_step:
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = loss_fn(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if sync is not None:
+            sync.wait()
+        opt.step()
+
+    return step
+
+
 def _run_compiled_mode(mode: str, args, ctx, groups: int = 1) -> StepResult:
     """One of COMPILE_MODES: the eager step around a torch.compile'd model (compiled in the warm-up)."""
     from distlib.compile import compile_for_sync
@@ -313,16 +329,7 @@ def _run_compiled_mode(mode: str, args, ctx, groups: int = 1) -> StepResult:
         )
         net = torch.compile(ddp, backend=args.compile_backend)
     loss_fn = _loss_fn(net, device, args.precision == "bf16" and device.type == "cuda")
-
-    def step():
-        loss = loss_fn(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if sync is not None:
-            sync.wait()
-        opt.step()
-
-    seconds = _timed(step, args.steps, args.warmup, device)
+    seconds = _timed(_eager_step(loss_fn, opt, sync, x, y), args.steps, args.warmup, device)
     if sync is not None:
         extra["bucket_mb"] = [round(b / _MB, 2) for b in sync.bucket_sizes()]
         extra["comm_groups"] = groups
@@ -364,16 +371,8 @@ def _run_mode(mode: str, args, ctx, groups: int = 1) -> StepResult:
         def step():
             captured(x, y)
     else:
-
-        def step():
-            if mode == "ddp-compile":  # a new step for the CUDA graph trees: the last outputs are dead
-                torch.compiler.cudagraph_mark_step_begin()
-            loss = loss_fn(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if sync is not None:
-                sync.wait()
-            opt.step()
+        # a new step for the CUDA graph trees of reduce-overhead: the last outputs are dead
+        step = _eager_step(loss_fn, opt, sync, x, y, mark_step=mode == "ddp-compile")
 
     seconds = _timed(step, args.steps, args.warmup, device)
     if sync is not None:
