@@ -2,10 +2,12 @@
 # Start-up and end-to-end time of the flagship, timed from outside, on one machine:
 #   the floor (torchrun of bench/floor.py: import torch, process group, one all_reduce),
 #   the flagship with a cold decode cache (the first decode of the JPEGs), then with the warm cache,
-#   three seeds in all where the time budget allows,
+#   three seeds in all where the time budget allows, then (COLD_AGAIN=1) once more with the cache
+#   emptied, on a machine whose libraries are now in the page cache (the decode alone),
 #   and the import cost of launch.py and torchvision.
 # Usage: bench/flagship.sh DATA_ROOT [OUT_DIR]     (OUT_DIR default: $OUT, else .bench/flagship)
 # Env: RECIPE (recipes/cifar.yaml), NPROC (2), SEEDS ("0 1 2"), BUDGET_S (300: no new run starts after it),
+#      COLD (1; 0: keep the cache of an earlier call, no floor and no cold run), COLD_AGAIN (0), TAG (run-name prefix),
 #      RUN_TIMEOUT_S (150 per run), EXTRA (more key=value overrides), PYTHON, TORCHRUN,
 #      WORK (/tmp/distlib-flagship: the runs' out_dirs with their checkpoints, and the decode caches).
 # Writes OUT_DIR/logs/*.log, OUT_DIR/runs/<name>/{summary.json,metrics.jsonl}, OUT_DIR/results.json; prints a table.
@@ -23,9 +25,13 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 WORK=${WORK:-/tmp/distlib-flagship}
 mkdir -p "$OUT_DIR/logs" "$OUT_DIR/runs" "$WORK/runs"
 RESULTS="$OUT_DIR/results.jsonl"
-: >"$RESULTS"
+COLD=${COLD:-1}
+TAG=${TAG:-}
 CACHE="$WORK/cache"  # the decode cache of these runs only: the first flagship run finds it empty
-rm -rf "$CACHE" "$WORK/cache-gpu" "$WORK/runs"/* "$OUT_DIR/runs"/*
+if [ "$COLD" = 1 ]; then
+  : >"$RESULTS"
+  rm -rf "$CACHE" "$WORK/runs"/* "$OUT_DIR/runs"/*
+fi
 T0=$(date +%s.%N)
 
 now() { date +%s.%N; }
@@ -59,18 +65,25 @@ flagship() {  # flagship NAME KIND SEED
     "data.cache_dir=$CACHE" "run.out_dir=$WORK/runs/$1" "train.seed=$3" run.resume=false run.progress=plain ${EXTRA:-}
 }
 
-run floor-1 floor - "$TORCHRUN" --standalone --nproc-per-node="$NPROC" bench/floor.py
-run floor-2 floor - "$TORCHRUN" --standalone --nproc-per-node="$NPROC" bench/floor.py
-first=1
+if [ "$COLD" = 1 ]; then
+  run floor-1 floor - "$TORCHRUN" --standalone --nproc-per-node="$NPROC" bench/floor.py
+  run floor-2 floor - "$TORCHRUN" --standalone --nproc-per-node="$NPROC" bench/floor.py
+fi
+first=$COLD
 for seed in $SEEDS; do
-  if [ $first = 1 ]; then
-    flagship "cold-s$seed" cold "$seed"  # decodes the JPEGs and writes the cache
+  if [ "$first" = 1 ]; then
+    flagship "${TAG}cold-s$seed" cold "$seed"  # decodes the JPEGs and writes the cache
     first=0
   fi
-  flagship "warm-s$seed" warm "$seed"
+  flagship "${TAG}warm-s$seed" warm "$seed"
 done
-# import costs in fresh processes (one process each, so that each one pays for the file system)
-run imports - - "$PYTHON" -c "
+if [ "${COLD_AGAIN:-0}" = 1 ]; then  # the first decode again, now that the machine's files are cached
+  rm -rf "$CACHE"
+  flagship "${TAG}cold2-s0" cold2 0
+fi
+if [ "$COLD" = 1 ]; then
+  # import costs in fresh processes (one process each, so that each one pays for the file system)
+  run imports - - "$PYTHON" -c "
 import time; t = time.time()
 import torch; t1 = time.time()
 import launch; t2 = time.time()
@@ -78,6 +91,7 @@ import torchvision; t3 = time.time()
 import matplotlib.pyplot; t4 = time.time()
 print(f'IMPORTS torch {t1 - t:.2f}s launch-after-torch {t2 - t1:.2f}s torchvision-after-launch {t3 - t2:.2f}s '
       f'matplotlib {t4 - t3:.2f}s')"
-grep -h IMPORTS "$OUT_DIR/logs/imports.log"
+  grep -h IMPORTS "$OUT_DIR/logs/imports.log"
+fi
 sleep 2  # the curves are drawn by a detached process after each run's exit
 "$PYTHON" bench/flagship_table.py table "$RESULTS" --runs "$WORK/runs" --json "$OUT_DIR/results.json"

@@ -42,7 +42,7 @@ def table(args: argparse.Namespace) -> None:
         if os.path.isdir(run_dir):
             r["curves_png"] = os.path.exists(os.path.join(run_dir, "curves.png"))
     cols = " ".join(f"{k[:-2]:>13}" for k in FIELDS)
-    head = f"{'run':<10} {'rc':>3} {'wall':>7} {cols} {'lead':>6} {'acc':>7}"
+    head = f"{'run':<16} {'rc':>3} {'wall':>7} {cols} {'lead':>6} {'acc':>7}"
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -51,7 +51,7 @@ def table(args: argparse.Namespace) -> None:
         lead = s.get("launcher_lead_s")
         acc = r.get("test_acc")
         print(
-            f"{r['name']:<10} {r['rc']:>3} {r['wall_s']:>7.2f} {cells} "
+            f"{r['name']:<16} {r['rc']:>3} {r['wall_s']:>7.2f} {cells} "
             f"{'-' if lead is None else f'{lead:.2f}':>6} {'-' if acc is None else f'{100 * acc:.2f}%':>7}"
         )
     floors = [r["floor"] for r in rows if "floor" in r]

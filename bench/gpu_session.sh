@@ -2,10 +2,12 @@
 # One session on the GPU machine (one process per GPU; 2 GPUs for the step part), in parts that each fit one command (PARTS, space-separated):
 #   tests     the whole GPU suite: pytest -m gpu
 #   step      ResNet18-CIFAR images/s at 512 per GPU: DDP eager, DDP + compile (default and
-#             reduce-overhead), GradSync eager / + compile_for_sync / whole-step graph, with 1, 2 and 4
-#             communicators; and the eager GradSync step of the code in $BEFORE (an older checkout), side by side
-#   flagship  bench/flagship.sh (floor, cold and warm flagship runs, summary.json), the same flagship
-#             command on the code in $BEFORE (cold and warm), and the hand-written DDP baseline
+#             reduce-overhead), GradSync eager / whole-step graph with 1, 2 and 4 communicators,
+#             GradSync + compile_for_sync eager and inside the whole-step graph; STEP_BEFORE=1 adds the
+#             eager GradSync step of the code in $BEFORE (an older checkout), side by side
+#   flagship  bench/flagship.sh (floor, cold and warm flagship runs, summary.json) for cifar.yaml,
+#             cifar_accuracy.yaml and cifar.yaml + EMA, the hand-written DDP baseline; BEFORE_RUNS=1
+#             adds the same flagship command on the code in $BEFORE (cold and warm)
 #   sweep     bench/recipe_sweep.sh (recipe candidates), when it exists
 # Needs the CIFAR-10 JPEG archive at $DATA (default .bench/cifar10-jpeg.tar.gz). Logs land in $OUT
 # (at most 8 files come back from the machine: the many small ones are packed into one .tgz per part).
@@ -43,25 +45,36 @@ for part in $PARTS; do
         tail -n 25 "$OUT/gpu_tests.log"
         ;;
     step)
-        (cd "$BEFORE" && lim step_before 90 $TORCHRUN -m distlib.bench step --modes ddp-eager,distlib-eager)
+        if [ "${STEP_BEFORE:-0}" = 1 ]; then
+            (cd "$BEFORE" && lim step_before 90 $TORCHRUN -m distlib.bench step --modes ddp-eager,distlib-eager)
+        fi
         lim step_new "${STEP_S:-240}" $TORCHRUN -m bench.step step \
-            --modes ddp-eager,ddp-compile,distlib-eager,distlib-graph --comm-groups "${COMM_GROUPS:-1,2,4}" \
+            --modes ddp-eager,ddp-compile,single-graph,distlib-eager,distlib-graph --comm-groups "${COMM_GROUPS:-1,2,4}" \
             --json "$OUT/step_new.json"
-        lim step_compile "${COMPILE_S:-200}" $TORCHRUN -m bench.step step \
-            --modes ddp-eager,ddp-compile-default,distlib-compile --json "$OUT/step_compile.json"
-        for f in step_before step_new step_compile; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done
+        # torch.compile's kernels: eager, and replayed inside distlib's whole-step graph; DDP reduce-overhead again
+        lim step_compile "${COMPILE_S:-300}" $TORCHRUN -m bench.step step \
+            --modes ddp-eager,ddp-compile,distlib-compile-graph,single-compile-graph,distlib-compile,ddp-compile-default \
+            --json "$OUT/step_compile.json"
+        for f in step_before step_new step_compile; do [ -f "$OUT/$f.log" ] && echo "== $f" && tail -n 22 "$OUT/$f.log"; done
         ;;
     flagship)
-        lim flagship 330 env BUDGET_S=200 bash bench/flagship.sh "$DATA" /tmp/flagship
-        tail -n 20 "$OUT/flagship.log"
         abs_data=$(realpath "$DATA")
-        rm -rf /tmp/before-cache /tmp/before-runs
-        (cd "$BEFORE" && lim before_cold 120 $TORCHRUN launch.py recipes/cifar.yaml \
-            "data.root=$abs_data" data.cache_dir=/tmp/before-cache run.out_dir=/tmp/before-runs/cold run.progress=plain)
-        (cd "$BEFORE" && lim before_warm 90 $TORCHRUN launch.py recipes/cifar.yaml \
-            "data.root=$abs_data" data.cache_dir=/tmp/before-cache run.out_dir=/tmp/before-runs/warm run.progress=plain)
+        # cifar.yaml: the floor, the first (cold) run, three warm seeds, the cold run again (decode only)
+        lim flagship "${FLAGSHIP_S:-270}" env BUDGET_S=210 COLD_AGAIN=1 bash bench/flagship.sh "$DATA" /tmp/flagship
         lim baseline_ddp_cifar 90 env TAR="$abs_data" EPOCHS=18 BATCH=256 $TORCHRUN bench/baselines/ddp_cifar.py
-        grep -h "test acc\|test_acc\|RESULT" "$OUT"/before_*.log "$OUT/baseline_ddp_cifar.log" | tail -n 12
+        # the accuracy recipe, then cifar.yaml with the weight EMA, three seeds each, on the warm cache
+        lim accuracy 200 env COLD=0 TAG=acc- RECIPE=recipes/cifar_accuracy.yaml BUDGET_S=140 \
+            bash bench/flagship.sh "$DATA" /tmp/flagship
+        lim ema "${EMA_S:-110}" env COLD=0 TAG=ema- EXTRA=train.ema=0.99 BUDGET_S=70 bash bench/flagship.sh "$DATA" /tmp/flagship
+        if [ "${BEFORE_RUNS:-0}" = 1 ]; then
+            rm -rf /tmp/before-cache /tmp/before-runs
+            (cd "$BEFORE" && lim before_cold 120 $TORCHRUN launch.py recipes/cifar.yaml \
+                "data.root=$abs_data" data.cache_dir=/tmp/before-cache run.out_dir=/tmp/before-runs/cold run.progress=plain)
+            (cd "$BEFORE" && lim before_warm 90 $TORCHRUN launch.py recipes/cifar.yaml \
+                "data.root=$abs_data" data.cache_dir=/tmp/before-cache run.out_dir=/tmp/before-runs/warm run.progress=plain)
+        fi
+        tail -n 40 "$OUT/ema.log"
+        grep -h "test acc\|test_acc\|RESULT" "$OUT/baseline_ddp_cifar.log" | tail -n 4
         tar -czf "$OUT/flagship_runs.tgz" -C /tmp flagship before-runs 2>/dev/null
         ;;
     sweep)
