@@ -76,7 +76,7 @@ class DistConfig:
     timeout_s: float = 300.0  # a collective that waits longer fails the job
     mode: Literal["process_per_gpu", "fallback"] = "process_per_gpu"
     bucket_mb: float = 25.0  # gradient bucket size
-    comm_groups: int = 1  # communicators the buckets go to round-robin (their all_reduces overlap)
+    comm_groups: int = 2  # communicators the buckets go to round-robin (their all_reduces overlap; 2: BENCHMARKS.md)
     compress: Literal["none", "bf16"] = "none"  # gradient compression for the all_reduce
 
 

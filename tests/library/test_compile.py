@@ -110,6 +110,60 @@ def test_inductor_on_two_gpus(mode):
     _check(run_ranks(_run, 2, "inductor", mode, backend="nccl", timeout=600), {"rtol": 1e-4, "atol": 1e-5})
 
 
+def _compiled_graph_vs_eager(ctx) -> dict:
+    """compile_for_sync's model stepped eagerly, then inside a CapturedStep (the compiled kernels and
+    the bucket all_reduces replayed as one CUDA graph); the lr changes every step."""
+    from distlib.cuda_graph import CapturedStep
+
+    runs = {}
+    for mode in ("eager", "graph"):
+        torch._dynamo.reset()
+        model = _net().to(ctx.device)
+        sync = GradSync(model, bucket_mb=0.016, first_bucket_mb=0.004)
+        net = compile_for_sync(model, sync)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+        def loss_fn(x, y, net=net):
+            return F.cross_entropy(net(x), y)
+
+        step = CapturedStep(model, opt, loss_fn, sync, warmup_steps=2) if mode == "graph" else None
+        losses = []
+        for i in range(8):
+            g = torch.Generator().manual_seed(100 * i + ctx.rank)  # each rank its own data
+            x = torch.randn(32, 16, generator=g).to(ctx.device)
+            y = torch.randint(0, 5, (32,), generator=g).to(ctx.device)
+            if step is None:
+                loss = loss_fn(x, y)
+                loss.backward()
+                sync.wait()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                loss = step(x, y)
+            losses.append(loss.item())
+            sched.step()
+        runs[mode] = ([p.detach().cpu() for p in model.parameters()], losses)
+        if step is not None:
+            runs["captured"] = step.captured
+            step.close()
+        sync.close()
+    return runs
+
+
+@pytest.mark.gpus(2)
+def test_compiled_model_inside_the_captured_step_on_two_gpus():
+    """The fastest step measured (bench.step distlib-compile-graph): the same training as eager."""
+    results = run_ranks(_compiled_graph_vs_eager, 2, backend="nccl", timeout=600)
+    for r in results:
+        assert r["captured"]
+        for a, b in zip(r["eager"][0], r["graph"][0]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert max(abs(a - b) for a, b in zip(r["eager"][1], r["graph"][1])) < 1e-5
+    for a, b in zip(results[0]["graph"][0], results[1]["graph"][0]):  # the ranks agree
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_world_size_one_is_plain_compile_and_bad_input_is_named():
     model = _net()
     sync = GradSync(model)  # world size 1: no buckets
