@@ -12,7 +12,8 @@ import hashlib
 import os
 import tarfile
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +35,7 @@ class ImageSet:
     y_test: torch.Tensor
     classes: list[str]
     source: str = "decoded"  # or "cache": read from the decoded cache
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: decode_s, cache_write_s or cache_read_s
 
 
 _CIFAR_DIR = "cifar-10-batches-py"
@@ -87,8 +89,16 @@ def _stack(decoded: list, names: list[str], where: str) -> torch.Tensor:
     return torch.from_numpy(np.stack(decoded)).permute(0, 3, 1, 2).contiguous()
 
 
-def _decode_split(names: list[str], items: list, where: str) -> torch.Tensor:
-    return _stack(decode_cpu(items), names, where)
+def _decode_splits(splits: list[tuple[str, str, list[str], list, list[int], list[str]]]) -> dict:
+    """Decode every split's items in one pass over the cores (one set of worker processes, not one
+    per split); ``splits``: (split, where, names, items, labels, classes). Returns split -> (x, y, classes)."""
+    decoded = decode_cpu([item for *_, items, _, _ in splits for item in items])
+    out, k = {}, 0
+    for split, where, names, items, labels, classes in splits:
+        x = _stack(decoded[k : k + len(items)], names, where)
+        out[split] = (x, torch.tensor(labels, dtype=torch.long), classes)
+        k += len(items)
+    return out
 
 
 def _decode(root: str, layout: str, download: bool) -> ImageSet:
@@ -110,23 +120,24 @@ def _decode(root: str, layout: str, download: bool) -> ImageSet:
         return ImageSet(
             chw(tr.data), torch.tensor(tr.targets), chw(te.data), torch.tensor(te.targets), list(tr.classes)
         )
-    split: dict[str, tuple[torch.Tensor, torch.Tensor, list[str]]] = {}
+    splits = []
     try:
         if layout == "archive":
             for name, (images, classes) in read_archive(root).items():
                 names = [f"{root}:{n}" for n, _, _ in images]
-                x = _decode_split(names, [data for _, data, _ in images], f"{root}:{name}")
-                split[name] = (x, torch.tensor([y for _, _, y in images], dtype=torch.long), classes)
+                items, labels = [data for _, data, _ in images], [y for _, _, y in images]
+                splits.append((name, f"{root}:{name}", names, items, labels, classes))
         else:
             if not (os.path.isdir(os.path.join(root, "train")) and os.path.isdir(os.path.join(root, "test"))):
                 raise DataError(f"{root}: expected train/ and test/ folders")
             for name in ("train", "test"):
                 samples, classes = list_imagefolder(os.path.join(root, name))
                 paths = [path for path, _ in samples]
-                x = _decode_split(paths, paths, os.path.join(root, name))
-                split[name] = (x, torch.tensor([y for _, y in samples], dtype=torch.long), classes)
+                where = os.path.join(root, name)
+                splits.append((name, where, paths, paths, [y for _, y in samples], classes))
     except ListingError as e:
         raise DataError(str(e)) from e
+    split = _decode_splits(splits)
     (x_tr, y_tr, classes), (x_te, y_te, classes_te) = split["train"], split["test"]
     if classes != classes_te:
         raise DataError(f"{root}: train/ and test/ have different classes ({classes} vs {classes_te})")
@@ -160,14 +171,18 @@ def load_image_set(root: str, *, download: bool = False, cache_dir: str = "") ->
         )
     cache_dir = cache_dir or default_cache_dir()
     cache = os.path.join(cache_dir, f"images-{_signature(root, layout)}.pt") if layout != "missing" else ""
+    t0 = time.perf_counter()
     if cache and os.path.exists(cache):
         try:
             d = torch.load(cache, weights_only=True, mmap=True)
-            return ImageSet(d["x_train"], d["y_train"], d["x_test"], d["y_test"], list(d["classes"]), "cache")
+            images = ImageSet(d["x_train"], d["y_train"], d["x_test"], d["y_test"], list(d["classes"]), "cache")
+            images.timings["cache_read_s"] = time.perf_counter() - t0
+            return images
         except Exception:  # a truncated or foreign cache file: decode again
             pass
     try:
         images = _decode(root, layout, download)
+        images.timings["decode_s"] = time.perf_counter() - t0
     except (OSError, tarfile.TarError) as e:
         raise DataError(f"data.root={root!r}: could not read the data set: {e}") from e
     if not cache:
@@ -186,4 +201,5 @@ def load_image_set(root: str, *, download: bool = False, cache_dir: str = "") ->
         tmp,
     )
     os.replace(tmp, cache)  # atomic: concurrent readers see the old file or the whole new one
+    images.timings["cache_write_s"] = time.perf_counter() - t0 - images.timings["decode_s"]
     return images

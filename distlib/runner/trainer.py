@@ -152,7 +152,7 @@ class Trainer:
         self.timeline.mark("run_dir")  # config.yaml, environment.json
         if ctx.device.type == "cuda":
             self.warm_up()
-            self.timeline.mark("warmup")  # cuDNN autotuning, graph capture, first evaluation
+            self.timeline.mark("warmup_eval")  # the first evaluation (its cuDNN autotuning)
         self.resume()
         self.timeline.mark("resume")
 
@@ -165,7 +165,7 @@ class Trainer:
             if ctx.local_rank != 0:
                 images = load_image_set(cfg.data.root, download=False, cache_dir=cfg.data.cache_dir)
         self.timeline.mark("data")
-        self.timeline.note(data_source=images.source)
+        self.timeline.note(data_source=images.source, **{f"data_{k}": round(v, 3) for k, v in images.timings.items()})
         x_train, y_train = images.x_train, images.y_train
         if cfg.data.train_subset:
             x_train, y_train = x_train[: cfg.data.train_subset], y_train[: cfg.data.train_subset]
@@ -190,6 +190,8 @@ class Trainer:
         n, device = self.per_rank, self.ctx.device
         x, y = self.loader.prepare(self.x_train[:n].to(device)), self.y_train[:n].to(device)
         self.step_fn.warm_up(x, y, steps=self.cfg.train.prewarm_steps)
+        torch.cuda.synchronize()
+        self.timeline.mark("warmup")  # training steps: cuDNN autotuning, lazy set-up, graph capture
         self._accuracy(self.model, tta=self.cfg.train.tta)
         torch.cuda.synchronize()
 

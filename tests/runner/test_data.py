@@ -117,13 +117,16 @@ def test_the_decode_cache_is_reused_and_lives_in_the_default_place(tmp_path, mon
     root = imagefolder(tmp_path / "f")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     first = load_image_set(root)  # cache_dir "": $XDG_CACHE_HOME/distlib
+    assert first.source == "decoded" and set(first.timings) == {"decode_s", "cache_write_s"}, first.timings
     cached = os.listdir(tmp_path / "xdg" / "distlib")
     assert len(cached) == 1 and cached[0].startswith("images-") and cached[0].endswith(".pt"), cached
     # replace an image by garbage of the same name: a second decode would fail, the cache does not
     victim = os.path.join(root, "train", "cat", sorted(os.listdir(os.path.join(root, "train", "cat")))[0])
     with open(victim, "wb") as f:
         f.write(b"not an image any more")
-    assert_same_set(load_image_set(root), first)
+    second = load_image_set(root)
+    assert_same_set(second, first)
+    assert second.source == "cache" and set(second.timings) == {"cache_read_s"}, second.timings
     assert os.listdir(tmp_path / "xdg" / "distlib") == cached
     # without XDG_CACHE_HOME: ~/.cache/distlib; an explicit cache_dir is its own cache (here: decodes again)
     monkeypatch.delenv("XDG_CACHE_HOME")
