@@ -432,7 +432,7 @@ def fallback_step(args: argparse.Namespace) -> StepResult:
 
 def bench_step(args: argparse.Namespace, ctx) -> list[StepResult]:
     if ctx.device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.benchmark = args.cudnn_benchmark
     results = []
     # GradSync's modes once per --comm-groups value (n > 1 named mode:g<n>), the others once
     runs = [(m, n) for m in args.modes for n in (args.comm_groups if m.startswith("distlib") else [1])]
@@ -575,6 +575,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     st.add_argument("--warmup", type=int, default=10, help="untimed steps first (graph modes capture in them)")
     st.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="autocast dtype on GPUs")
     st.add_argument("--no-channels-last", dest="channels_last", action="store_false")
+    st.add_argument(
+        "--no-cudnn-benchmark", dest="cudnn_benchmark", action="store_false", help="cuDNN's heuristics, no autotuning"
+    )
     st.add_argument(
         "--compile-backend", default="inductor", help="torch.compile backend of distlib-compile, ddp-compile-default"
     )

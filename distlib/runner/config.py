@@ -68,6 +68,7 @@ class TrainConfig:
     seed: int = 0  # seeds model init, data order and augmentation
     cuda_graph: bool = False  # capture the whole training step as one CUDA graph
     prewarm_steps: int = 5  # on a GPU: steps run, then undone, before the clock (autotuning, graph capture)
+    cudnn_benchmark: bool = True  # on a GPU: cuDNN tries its algorithms for each convolution (in the warm-up)
 
 
 @dataclass

@@ -88,6 +88,7 @@ def collect_environment(ctx: Context, repo_dir: str | None = None) -> dict[str, 
         "torchvision": tv_version,
         "cuda": torch.version.cuda,  # the CUDA torch was built with; None for a CPU build
         "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark if cuda else None,  # autotuning, as this run set it
         "nccl": _nccl_version(),
         "gpu_count": torch.cuda.device_count() if cuda else 0,  # on this (the main rank's) node
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],

@@ -46,7 +46,10 @@ from distlib.stop import StopSignal
 from distlib.watchdog import Watchdog
 
 # may change on a resume: they do not change what the weights are
-_RESUME_FREE = {"train.eval_every", "train.tta", "train.tta_translate", "train.cuda_graph", "train.prewarm_steps"}
+_RESUME_FREE = {
+    "train.eval_every", "train.tta", "train.tta_translate", "train.cuda_graph", "train.prewarm_steps",
+    "train.cudnn_benchmark",
+}  # fmt: skip
 
 
 def resume_settings(cfg: Config) -> dict:
@@ -118,7 +121,7 @@ class Trainer:
                                f"{ctx.world_size} ranks x train.grad_accum={t.grad_accum}"])  # fmt: skip
         self.per_rank = t.batch_size // ctx.world_size
         if ctx.device.type == "cuda":
-            torch.backends.cudnn.benchmark = True
+            torch.backends.cudnn.benchmark = t.cudnn_benchmark
         self._build_data()
         torch.manual_seed(t.seed)  # after the data: a first decode draws from the global generator
         model = build_model(cfg.model.name, cfg.model.num_classes, cfg.model.width).to(ctx.device)

@@ -225,11 +225,16 @@ def test_exact_evaluation_is_the_same_at_world_size_1_2_3(monkeypatch):
 @pytest.mark.gpus(1)
 @pytest.mark.slow
 def test_demo_on_gpus_with_nccl(tmp_path, cache_dir):
-    """One process per GPU (up to two): NCCL chosen by dist.backend=auto, a clean teardown."""
+    """One process per GPU (up to two): NCCL chosen by dist.backend=auto, a clean teardown;
+    train.cudnn_benchmark reaches cuDNN."""
     nproc = min(2, torch.cuda.device_count())
     out = tmp_path / "demo-gpu"
-    proc = launch([DEMO, f"run.out_dir={out}", f"data.cache_dir={cache_dir}"], nproc=nproc)
+    proc = launch(
+        [DEMO, f"run.out_dir={out}", f"data.cache_dir={cache_dir}", "train.cudnn_benchmark=false"], nproc=nproc
+    )
     config, rows = read_run(out)
+    with open(out / "environment.json") as f:
+        assert json.load(f)["cudnn_benchmark"] is False
     check_rows(rows, epochs=config["train"]["epochs"], world_size=nproc)
     expected_backend = "nccl" if nproc > 1 else "none"
     assert f"backend={expected_backend} device=cuda:0" in proc.stderr

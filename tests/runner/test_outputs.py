@@ -20,8 +20,8 @@ from tests.conftest import ROOT
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ENV_KEYS = {
-    "distlib", "python", "platform", "hostname", "torch", "torchvision", "cuda", "cudnn", "nccl", "gpu_count",
-    "gpus", "world_size", "local_world_size", "nodes", "backend", "git", "argv", "ranks",
+    "distlib", "python", "platform", "hostname", "torch", "torchvision", "cuda", "cudnn", "cudnn_benchmark", "nccl",
+    "gpu_count", "gpus", "world_size", "local_world_size", "nodes", "backend", "git", "argv", "ranks",
 }  # fmt: skip
 
 
