@@ -67,6 +67,7 @@ class TrainConfig:
     tta_translate: int = 0  # with tta: also views shifted by this many pixels (airbench uses 2)
     seed: int = 0  # seeds model init, data order and augmentation
     cuda_graph: bool = False  # capture the whole training step as one CUDA graph
+    compile: bool = False  # torch.compile the model (buckets still overlapped; inside the graph with cuda_graph)
     prewarm_steps: int = 5  # on a GPU: steps run, then undone, before the clock (autotuning, graph capture)
     cudnn_benchmark: bool = True  # on a GPU: cuDNN tries its algorithms for each convolution (in the warm-up)
 
@@ -272,6 +273,11 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         problems.append(
             "train.precision=fp16 with train.cuda_graph=true: the fp16 loss scaler cannot run inside a captured "
             "step; use train.precision=bf16 (no scaler needed) or train.cuda_graph=false"
+        )
+    if cfg.train.compile and cfg.dist.mode == "fallback":
+        problems.append(
+            "train.compile=true with dist.mode=fallback: the fallback mode's replicas are not compiled; "
+            "use dist.mode=process_per_gpu or train.compile=false"
         )
 
 

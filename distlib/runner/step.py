@@ -5,7 +5,8 @@ The trainer sees only ``TrainStep``; ``build_step`` alone picks the implementati
 
 - ``process_per_gpu``: ``GradSyncStep``, one process per GPU with distlib.GradSync, run
   eagerly (``grad_accum`` micro-steps, communication on the last only) or replayed as one
-  CUDA graph (``train.cuda_graph``, distlib/cuda_graph.py);
+  CUDA graph (``train.cuda_graph``, distlib/cuda_graph.py); the model compiled by
+  ``distlib.compile_for_sync`` with ``train.compile`` (its kernels then inside the graph);
 - ``fallback``: ``ReplicasStep``, one process drives every GPU of its node (distlib.Replicas,
   distlib/comm_fallback.py).
 
@@ -182,10 +183,12 @@ def build_step(
     sync = distlib.GradSync(model, bucket_mb=cfg.dist.bucket_mb, compress=cfg.dist.compress,
                             comm_groups=cfg.dist.comm_groups)  # fmt: skip
     autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None)
+    # compiled at the first step (the warm-up, on a GPU), one graph per bucket so the all_reduces overlap
+    net = distlib.compile_for_sync(model, sync) if t.compile else model
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast:
-            return F.cross_entropy(model(x).float(), y, label_smoothing=t.label_smoothing)
+            return F.cross_entropy(net(x).float(), y, label_smoothing=t.label_smoothing)
 
     return GradSyncStep(model, optimizer, sync, loss_of, update=update, grad_accum=t.grad_accum,
                         cuda_graph=t.cuda_graph, post_step=post_step)  # fmt: skip

@@ -48,7 +48,7 @@ from distlib.watchdog import Watchdog
 # may change on a resume: they do not change what the weights are
 _RESUME_FREE = {
     "train.eval_every", "train.tta", "train.tta_translate", "train.cuda_graph", "train.prewarm_steps",
-    "train.cudnn_benchmark",
+    "train.cudnn_benchmark", "train.compile",
 }  # fmt: skip
 
 

@@ -100,6 +100,12 @@ def test_values_out_of_range(tmp_path):
     ]
 
 
+def test_compile_is_refused_with_the_fallback_mode():
+    assert load_config(None, ["train.compile=true"]).train.compile is True
+    found = problems(None, ["train.compile=true", "dist.mode=fallback"])
+    assert len(found) == 1 and "train.compile=true with dist.mode=fallback" in found[0], found
+
+
 def test_precision_fp16_refuses_a_captured_cuda_graph(tmp_path):
     assert load_config(None, ["train.precision=fp16"]).train.precision == "fp16"
     assert load_config(None, ["train.precision=fp16", "train.cuda_graph=false"]).train.cuda_graph is False

@@ -1,5 +1,5 @@
 """Recipe keys that change what a run computes, seen through launch.py's outputs: train.ema,
-train.tta_translate, and dist.compress / dist.comm_groups reaching GradSync.
+train.tta_translate, train.compile, and dist.compress / dist.comm_groups reaching GradSync.
 
 Each run is one process in this process (world size 1): a 512-image subset, a width-8 model,
 two epochs, augmentation off, so that two runs differ only by the key under test.
@@ -65,6 +65,27 @@ def test_tta_translate_changes_only_the_final_evaluation(tmp_path, baseline):
     assert [r["train_loss"] for r in shifted] == [r["train_loss"] for r in baseline]
     assert shifted[0]["test_acc"] == baseline[0]["test_acc"]  # not the final evaluation: no TTA at all
     assert shifted[-1]["test_acc"] != baseline[-1]["test_acc"], "the shifted views must change the final accuracy"
+
+
+def test_compile_trains_through_the_compiled_model(tmp_path, baseline, monkeypatch):
+    import distlib
+
+    graphs = []
+
+    def fx_backend(gm, example_inputs):  # run dynamo's graph as it is: no inductor C++ build on the CPU
+        graphs.append(gm)
+        return gm.forward
+
+    original = distlib.compile_for_sync
+    monkeypatch.setattr(distlib, "compile_for_sync", lambda model, sync: original(model, sync, backend=fx_backend))
+    try:
+        rows = run(tmp_path, "compiled", "train.compile=true")
+    finally:
+        torch._dynamo.reset()
+    assert graphs, "train.compile=true: the forward never went through the compiled model"
+    # the same computation: the same losses up to the order of floating-point sums
+    for a, b in zip(rows, baseline, strict=True):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5), (rows, baseline)
 
 
 def test_compress_and_comm_groups_from_a_recipe_reach_gradsync(tmp_path, monkeypatch):
