@@ -8,6 +8,8 @@
 #   flagship  bench/flagship.sh (floor, cold and warm flagship runs, summary.json) for cifar.yaml,
 #             cifar_accuracy.yaml and cifar.yaml + EMA, the hand-written DDP baseline; BEFORE_RUNS=1
 #             adds the same flagship command on the code in $BEFORE (cold and warm)
+#   startup   the flagship cold and warm, without cuDNN autotuning, with train.compile; the step
+#             with and without cuDNN autotuning
 #   sweep     bench/recipe_sweep.sh (recipe candidates), when it exists
 # Needs the CIFAR-10 JPEG archive at $DATA (default .bench/cifar10-jpeg.tar.gz). Logs land in $OUT
 # (at most 8 files come back from the machine: the many small ones are packed into one .tgz per part).
@@ -76,6 +78,24 @@ for part in $PARTS; do
         tail -n 40 "$OUT/ema.log"
         grep -h "test acc\|test_acc\|RESULT" "$OUT/baseline_ddp_cifar.log" | tail -n 4
         tar -czf "$OUT/flagship_runs.tgz" -C /tmp flagship before-runs 2>/dev/null
+        ;;
+    startup)
+        # what start-up costs: the flagship cold and warm; without cuDNN autotuning; with train.compile
+        # (its first run compiles with an empty inductor cache, the second finds it); the step with and
+        # without autotuning
+        lim startup "${STARTUP_S:-330}" bash -c '
+            BUDGET_S=100 SEEDS="0 1" bash bench/flagship.sh "$1" /tmp/flagship
+            COLD=0 TAG=nobench- SEEDS=0 EXTRA=train.cudnn_benchmark=false bash bench/flagship.sh "$1" /tmp/flagship
+            COLD=0 TAG=compile- SEEDS="0 1" EXTRA=train.compile=true RUN_TIMEOUT_S=150 bash bench/flagship.sh "$1" /tmp/flagship' \
+            _ "$DATA"
+        lim step_cudnn 100 bash -c "$TORCHRUN -m bench.step step --modes single-graph,distlib-graph --steps 100 &&
+            $TORCHRUN -m bench.step step --modes single-graph,distlib-graph --steps 100 --no-cudnn-benchmark"
+        python3 -c "import os, torch; d = os.path.dirname(torch.__file__)
+print('bytecode cached next to torch._dynamo:', os.path.isdir(os.path.join(d, '_dynamo', '__pycache__')),
+      '; site-packages writable:', os.access(d, os.W_OK))"
+        tail -n 30 "$OUT/startup.log"
+        grep -A4 "^mode" "$OUT/step_cudnn.log"
+        tar -czf "$OUT/startup_runs.tgz" -C /tmp flagship 2>/dev/null
         ;;
     sweep)
         [ -f bench/recipe_sweep.sh ] && lim sweep 330 bash bench/recipe_sweep.sh "$DATA" && tail -n 12 "$OUT/sweep.log"
