@@ -66,6 +66,28 @@ def _torchvision_version() -> str | None:
         return importlib.metadata.version("torchvision")
 
 
+def bytecode_hint(source: str | None = None) -> str | None:
+    """What to do when every process here compiles torch's Python sources again on import (Python
+    may not write bytecode, and torch has none cached); None when its bytecode is cached or will be.
+    ``source``: a module file of the installation (default torch's ``__init__.py``)."""
+    source = source or torch.__file__
+    if not sys.dont_write_bytecode:
+        return None  # what is compiled is written: only a first run pays
+    try:
+        cached = importlib.util.cache_from_source(source)  # under sys.pycache_prefix when one is set
+    except (NotImplementedError, ValueError):
+        return None
+    if os.path.exists(cached):
+        return None
+    site = os.path.dirname(os.path.dirname(os.path.abspath(source)))
+    return (
+        "Python may not write bytecode here (PYTHONDONTWRITEBYTECODE) and torch has none cached, so every "
+        "process compiles torch's sources again on import (3 s more per process on an H200 machine; "
+        "docs/startup.md). Keep a cache: export PYTHONPYCACHEPREFIX=$HOME/.cache/pycache and unset "
+        f"PYTHONDONTWRITEBYTECODE, or compile once: python -m compileall -q {site}"
+    )
+
+
 def collect_environment(ctx: Context, repo_dir: str | None = None) -> dict[str, Any]:
     """Versions, GPUs, world size, git commit, and each rank's host and device.
 

@@ -31,7 +31,7 @@ from distlib.process_group import Context
 from distlib.runner.config import Config, ConfigError, dump_yaml
 from distlib.runner.data import DataError, load_image_set
 from distlib.runner.device_loader import DeviceLoader, normalize_stats
-from distlib.runner.environment import environment_json
+from distlib.runner.environment import bytecode_hint, environment_json
 from distlib.runner.evaluation import evaluate
 from distlib.runner.models import build_model, count_params, param_groups
 from distlib.runner.optimizer_step import autocast_dtype
@@ -100,6 +100,8 @@ class Trainer:
         self.timeline.mark("init")  # config and process group (NCCL: CUDA context and communicator)
         self.finished_rows: list[dict[str, Any]] | None = None  # metrics.jsonl once training completed
         self.log = distlib.get_logger()
+        if ctx.is_main and (hint := bytecode_hint()):
+            self.log.warning(hint)
         self.state = TrainState()
         self.progress = TrainingProgress(cfg.run.progress, enabled=ctx.is_main)  # rank 0 only
         p = cfg.profile

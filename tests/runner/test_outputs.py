@@ -144,3 +144,23 @@ def test_launch_under_torchrun_leaves_its_outputs(tmp_path):
         assert {"ProfilerStep#2", "ProfilerStep#3"} <= names
         assert any("all_reduce" in str(n) or "allreduce" in str(n) for n in names)  # the gradient sync is in it
         assert "Self CPU" in (out / "profile" / f"table_rank{rank}.txt").read_text()
+
+
+def test_a_missing_bytecode_cache_is_named_with_its_fix(tmp_path, monkeypatch):
+    import py_compile
+    import sys
+
+    from distlib.runner.environment import bytecode_hint
+
+    source = tmp_path / "site" / "pkg" / "__init__.py"
+    source.parent.mkdir(parents=True)
+    source.write_text("x = 1\n")
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # as PYTHONDONTWRITEBYTECODE=1 does
+    hint = bytecode_hint(str(source))
+    assert hint and "PYTHONPYCACHEPREFIX" in hint and f"compileall -q {tmp_path / 'site'}" in hint, hint
+    py_compile.compile(str(source))  # its bytecode cached: nothing to say
+    assert bytecode_hint(str(source)) is None
+    source.with_name("__pycache__").rename(tmp_path / "gone")
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # Python writes what it compiles: only a first run pays
+    assert bytecode_hint(str(source)) is None
