@@ -11,6 +11,7 @@
 #   startup   the flagship cold and warm, without cuDNN autotuning, with train.compile; the step
 #             with and without cuDNN autotuning
 #   sweep     bench/recipe_sweep.sh (recipe candidates), when it exists
+# BYTECODE_CACHE=1: keep Python bytecode in /tmp/pycache (the GPU machine forbids writing it; docs/startup.md).
 # Needs the CIFAR-10 JPEG archive at $DATA (default .bench/cifar10-jpeg.tar.gz). Logs land in $OUT
 # (at most 8 files come back from the machine: the many small ones are packed into one .tgz per part).
 set -u
@@ -21,6 +22,10 @@ BEFORE=${BEFORE:-.bench/before}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+if [ "${BYTECODE_CACHE:-0}" = 1 ]; then  # a bytecode cache for every command, the floor's too (docs/startup.md)
+    unset PYTHONDONTWRITEBYTECODE
+    export PYTHONPYCACHEPREFIX=/tmp/pycache
+fi
 NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | grep -c GPU)}  # one process per GPU
 export NPROC
 TORCHRUN="python3 -m torch.distributed.run --standalone --nproc-per-node=$NPROC"
