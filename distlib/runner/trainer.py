@@ -177,11 +177,9 @@ class Trainer:
         if len(y_train) < cfg.train.batch_size:
             raise ConfigError([f"train.batch_size={cfg.train.batch_size} is more than the {len(y_train)} training "
                                "images (data.train_subset or the data set): not one step per epoch"])  # fmt: skip
-        device = ctx.device if cfg.data.on_device else torch.device("cpu")
-        # on the device first: the statistics are then a GPU reduction (1.6 s for CIFAR-10 on 2 CPU cores)
-        x_train = x_train.to(device)
         self.x_train, self.y_train = x_train, y_train
         mean, std = normalize_stats(x_train)
+        device = ctx.device if cfg.data.on_device else torch.device("cpu")
         aug = cfg.data.augment
         self.loader = DeviceLoader(
             x_train, y_train, batch_size=self.per_rank, rank=ctx.rank, world_size=ctx.world_size,
