@@ -47,9 +47,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# What a rank would have imported anyway before ``fn`` runs (its test module imports them): the
-# fork server imports them once, and each rank forks from it with them in place.
-_RANK_PRELOAD = ["torch", "torch.distributed", "distlib", "tests.conftest"]
+# The fork server imports these once; each rank forks from it with them in place. A rank's test
+# module imports them anyway, except torch._dynamo (1.3 s), which the first optimizer imports;
+# distlib.init() imports torch.distributed.nn.functional, the part of it that matters to
+# distlib, before it starts the group either way.
+_RANK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "distlib", "tests.conftest"]
 _forkserver_lock = threading.Lock()
 
 
