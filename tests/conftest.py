@@ -24,6 +24,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpus(n): needs n CUDA GPUs; implies the gpu marker; skipped with fewer")
+    # pytest-xdist workers share the cores: each gets its part, for its own torch and the processes it
+    # starts (2 workers on 2 cores: one thread each; two OpenMP threads cost 20% more CPU then)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: a gpus(n) test counts as a gpu test
