@@ -98,17 +98,17 @@ class _Stdio:
         return tuple, ((reduction.DupFd(1), reduction.DupFd(2)),)
 
 
-def _worker(fn, rank, world_size, port, args, queue, env, backend, init_timeout_s, parent_env, stdio):
+def _worker(fn, rank, world_size, port, args, queue, backend, init_timeout_s, rank_env, torchrun_vars, stdio):
     for fd, dup in enumerate(stdio, start=1):
         os.dup2(dup.detach(), fd)
-    # a forked rank inherits the fork server's environment: start from the parent's, as a spawned one does
+    # a forked rank inherits the fork server's environment: it gets its own, as a spawned one does
     os.environ.clear()
-    os.environ.update(parent_env)
-    os.environ.update(env)
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+    os.environ.update(rank_env)
+    if torchrun_vars:
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )  # fmt: skip
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -139,6 +139,7 @@ def run_ranks(
     backend: str = "gloo",
     init_timeout_s: float = 60,
     start_method: str = "forkserver",
+    rank_envs: list[dict[str, str]] | None = None,
 ) -> list[Any]:
     """Call ``fn(ctx, *args)`` on ``world_size`` ranks (gloo, or ``backend``); returns the results in rank order.
 
@@ -146,15 +147,20 @@ def run_ranks(
     ``init_timeout_s`` is the collective timeout given to ``distlib.init``.
     ``start_method``: "forkserver" (fast, see ``_rank_context``), or "spawn" where a rank must be a
     fresh interpreter that exits as one (teardown at interpreter exit). NCCL ranks are spawned.
+    ``rank_envs``: each rank's whole environment, in place of this process's and of torchrun's
+    variables (ranks started by another launcher; ``env`` does not apply).
     Raises AssertionError with every failing rank's traceback.
     """
+    if rank_envs is not None and len(rank_envs) != world_size:
+        raise ValueError(f"{len(rank_envs)} rank_envs for {world_size} ranks")
     ctx = _rank_context("spawn" if backend == "nccl" else start_method)
     queue = ctx.Queue()
     port = free_port()
+    envs = rank_envs or [{**os.environ, **(env or {})}] * world_size
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, r, world_size, port, args, queue, env or {}, backend, init_timeout_s, dict(os.environ), _Stdio()),
+            args=(fn, r, world_size, port, args, queue, backend, init_timeout_s, envs[r], rank_envs is None, _Stdio()),
         )
         for r in range(world_size)
     ]
