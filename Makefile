@@ -9,6 +9,9 @@ NPROC ?= 2
 RECIPE ?= recipes/cifar.yaml
 ARGS ?=
 PYTEST_ARGS ?=
+# make test: pytest-xdist workers, each taking a whole test file at a time (its module fixtures run
+# once); 0 runs every test in the pytest process, one after the other
+PYTEST_JOBS ?= 2
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.distlib-installed
@@ -40,7 +43,7 @@ demo: $(STAMP)
 # pytest exits 5 when it collected no test: that is a failure too
 test: $(STAMP)
 	$(BIN)/ruff check .
-	@$(BIN)/python -m pytest -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
+	@$(BIN)/python -m pytest -p no:cacheprovider -n $(PYTEST_JOBS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 train: $(STAMP)

@@ -7,11 +7,14 @@ and skipped where fewer GPUs are visible.
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.forkserver as forkserver
 import os
 import pickle
 import socket
+import threading
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 import pytest
@@ -21,6 +24,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpus(n): needs n CUDA GPUs; implies the gpu marker; skipped with fewer")
+    # pytest-xdist workers share the cores: each gets its part, for its own torch and the processes it
+    # starts (2 workers on 2 cores: one thread each; two OpenMP threads cost 20% more CPU then)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: a gpus(n) test counts as a gpu test
@@ -44,12 +56,59 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, args, queue, env, backend, init_timeout_s):
-    os.environ.update(env)
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+# The fork server imports these once; each rank forks from it with them in place. A rank's test
+# module imports them anyway, except torch._dynamo (1.3 s), which the first optimizer imports;
+# distlib.init() imports torch.distributed.nn.functional, the part of it that matters to
+# distlib, before it starts the group either way.
+_RANK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "distlib", "tests.conftest"]
+_forkserver_lock = threading.Lock()
+
+
+def _rank_context(start_method: str) -> mp.context.BaseContext:
+    """The multiprocessing context the ranks start from. "forkserver": each rank is forked (about
+    0.1 s) from a server process that has imported ``_RANK_PRELOAD`` and done nothing else: one
+    thread, no OpenMP pool, no process group, no CUDA. "spawn": each rank is a fresh interpreter
+    (2-3 s of imports) that ends with a real interpreter exit; a forked rank ends with os._exit."""
+    ctx = mp.get_context(start_method)
+    if start_method != "forkserver":
+        return ctx
+    with _forkserver_lock:  # the server starts once per pytest process; later calls find it running
+        ctx.set_forkserver_preload(_RANK_PRELOAD)
+        # it imports from this checkout (Python 3.11's server ignores the parent's sys.path), with one
+        # OpenMP and BLAS thread; the ranks get the parent's environment back (_worker)
+        saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "OMP_NUM_THREADS")}
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, saved["PYTHONPATH"]) if p)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            forkserver.ensure_running()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return ctx
+
+
+class _Stdio:
+    """The parent's stdout and stderr when a rank starts (pytest captures them per test), sent to the
+    rank with it: a forked rank would otherwise write to the fork server's, captured by an older test."""
+
+    def __reduce__(self):  # runs while the rank is being started, where DupFd can send a descriptor
+        return tuple, ((reduction.DupFd(1), reduction.DupFd(2)),)
+
+
+def _worker(fn, rank, world_size, port, args, queue, backend, init_timeout_s, rank_env, torchrun_vars, stdio):
+    for fd, dup in enumerate(stdio, start=1):
+        os.dup2(dup.detach(), fd)
+    # a forked rank inherits the fork server's environment: it gets its own, as a spawned one does
+    os.environ.clear()
+    os.environ.update(rank_env)
+    if torchrun_vars:
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )  # fmt: skip
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -57,6 +116,8 @@ def _worker(fn, rank, world_size, port, args, queue, env, backend, init_timeout_
     import distlib
 
     try:
+        here = os.path.dirname(os.path.abspath(distlib.__file__))
+        assert here == os.path.join(ROOT, "distlib"), f"the ranks imported {here}, not this checkout's distlib"
         ctx = distlib.init(backend, timeout_s=init_timeout_s)
         try:
             result = fn(ctx, *args)
@@ -77,18 +138,30 @@ def run_ranks(
     env: dict | None = None,
     backend: str = "gloo",
     init_timeout_s: float = 60,
+    start_method: str = "forkserver",
+    rank_envs: list[dict[str, str]] | None = None,
 ) -> list[Any]:
     """Call ``fn(ctx, *args)`` on ``world_size`` ranks (gloo, or ``backend``); returns the results in rank order.
 
-    ``fn`` must be importable (defined at module level) since ranks are spawned.
+    ``fn`` must be importable (defined at module level): it reaches the ranks pickled.
     ``init_timeout_s`` is the collective timeout given to ``distlib.init``.
+    ``start_method``: "forkserver" (fast, see ``_rank_context``), or "spawn" where a rank must be a
+    fresh interpreter that exits as one (teardown at interpreter exit). NCCL ranks are spawned.
+    ``rank_envs``: each rank's whole environment, in place of this process's and of torchrun's
+    variables (ranks started by another launcher; ``env`` does not apply).
     Raises AssertionError with every failing rank's traceback.
     """
-    ctx = mp.get_context("spawn")
+    if rank_envs is not None and len(rank_envs) != world_size:
+        raise ValueError(f"{len(rank_envs)} rank_envs for {world_size} ranks")
+    ctx = _rank_context("spawn" if backend == "nccl" else start_method)
     queue = ctx.Queue()
     port = free_port()
+    envs = rank_envs or [{**os.environ, **(env or {})}] * world_size
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, env or {}, backend, init_timeout_s))
+        ctx.Process(
+            target=_worker,
+            args=(fn, r, world_size, port, args, queue, backend, init_timeout_s, envs[r], rank_envs is None, _Stdio()),
+        )
         for r in range(world_size)
     ]
     for p in procs:

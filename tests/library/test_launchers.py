@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
-import subprocess
-import sys
 
 import pytest
+import torch
 
+import distlib
 from distlib.launchers import detect, expand_hostlist, expand_tasks_per_node, slurm_port
 from distlib.process_group import EnvError, EnvInfo, _gpu_index
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, run_ranks
 
 # ---- SLURM's compressed lists -----------------------------------------------------------------
 
@@ -278,17 +277,15 @@ def test_gpu_of_each_process():
 
 # ---- real two-process starts without torchrun -------------------------------------------------
 
-RANK_SCRIPT = """
-import json, os, torch, distlib
-torch.set_num_threads(1)
-ctx = distlib.init("gloo", timeout_s=60)
-t = torch.tensor([float(ctx.rank + 1)])
-distlib.all_reduce(t)
-print(json.dumps({"rank": ctx.rank, "local_rank": ctx.local_rank, "world_size": ctx.world_size,
-                  "local_world_size": ctx.local_world_size, "backend": ctx.backend, "sum": t.item(),
-                  "master": [os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]]}))
-distlib.shutdown()
-"""
+
+def _one_world(ctx) -> dict:
+    """What a rank started by the launcher under test sees (run_ranks has called distlib.init)."""
+    t = torch.tensor([float(ctx.rank + 1)])
+    distlib.all_reduce(t)
+    return {"rank": ctx.rank, "local_rank": ctx.local_rank, "world_size": ctx.world_size,
+            "local_world_size": ctx.local_world_size, "backend": ctx.backend, "sum": t.item(),
+            "master": [os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]]}  # fmt: skip
+
 
 LAUNCHER_PREFIXES = ("SLURM_", "SLURMD_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "PET_", "TORCHELASTIC_")
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
@@ -345,27 +342,8 @@ def test_two_processes_form_one_world(launcher):
         if k not in LAUNCHER_VARS and not k.startswith(LAUNCHER_PREFIXES)  # this test may itself run under SLURM
     }
     base.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT],
-            env={**base, **env},
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for env in envs
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=180)
-            assert p.returncode == 0, f"{launcher} rank failed:\n{err}"
-            outputs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    # two processes with only the launcher's variables (no torchrun's), each calling distlib.init("gloo")
+    outputs = run_ranks(_one_world, 2, rank_envs=[{**base, **env} for env in envs], timeout=180)
     for r, (out, (local_rank, local_world)) in enumerate(zip(outputs, local)):
         assert out["rank"] == r and out["world_size"] == 2 and out["backend"] == "gloo"
         assert (out["local_rank"], out["local_world_size"]) == (local_rank, local_world)

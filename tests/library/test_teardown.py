@@ -128,9 +128,10 @@ def test_shutdown_twice_and_without_init_is_a_no_op():
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process on Linux")
 def test_teardown_stress_short_jobs_exit_cleanly():
     """Real interpreters exiting right after their last collective, 2 and 3 ranks, two
-    jobs at a time. The plain-torch version of the same script (TEARDOWN=raw) aborted
-    in 1-7 of 20-30 processes here; with WIDEN=1, which keeps gloo's worker thread busy
-    with the finished collective while the main thread exits, in 8 of 10."""
+    jobs at a time (each rank forked by its job's process after the imports, and ending
+    with the interpreter's own exit). The plain-torch version of the same script
+    (TEARDOWN=raw) aborted in 1-7 of 20-30 processes here; with WIDEN=1, which keeps gloo's
+    worker thread busy with the finished collective while the main thread exits, in 8 of 10."""
     failures = run_jobs([2, 3], "shutdown", timeout=120)
     failures += run_jobs([3, 2], "shutdown", timeout=120, env={"WIDEN": "1"})
     failures += run_jobs([3], "atexit", timeout=120, env={"WIDEN": "1"})

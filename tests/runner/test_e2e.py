@@ -64,18 +64,6 @@ def check_rows(rows: list[dict], epochs: int, world_size: int) -> None:
 
 
 @pytest.mark.slow
-def test_world_size_1_with_python(tmp_path, cache_dir):
-    out = tmp_path / "run"
-    proc = launch(
-        [DEMO, "train.epochs=1", "train.seed=3", f"run.out_dir={out}", f"data.cache_dir={cache_dir}"], nproc=1
-    )
-    config, rows = read_run(out)
-    check_rows(rows, epochs=1, world_size=1)
-    assert config["train"]["seed"] == 3 and config["train"]["epochs"] == 1  # the overrides, resolved
-    assert "backend=none device=cpu" in proc.stderr  # one process: no process group
-
-
-@pytest.mark.slow
 def test_demo_recipe_reaches_30_percent_and_writes_config_and_metrics(tmp_path, cache_dir):
     """What `make demo` promises: the default demo, two processes under torchrun, well above chance
     (10%); its resolved config and one metrics row per epoch in run.out_dir; only rank 0 informs."""
@@ -127,15 +115,31 @@ def two_nodes(tmp_path_factory, cache_dir):
     return base
 
 
-def test_two_ranks_equal_one_process_accumulating_the_same_global_batch(two_nodes, tmp_path, cache_dir):
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, cache_dir) -> tuple[subprocess.CompletedProcess, str]:
+    """``python launch.py``: the same run as ``two_nodes`` in one process, which takes each global
+    batch's two halves as micro-batches (train.grad_accum=2)."""
+    out = str(tmp_path_factory.mktemp("one-process") / "one")
+    proc = launch([DEMO, *SAME, "train.grad_accum=2", f"run.out_dir={out}", f"data.cache_dir={cache_dir}"], nproc=1)
+    return proc, out
+
+
+@pytest.mark.slow
+def test_world_size_1_with_python(one_process):
+    proc, out = one_process
+    config, rows = read_run(out)
+    check_rows(rows, epochs=2, world_size=1)
+    assert config["train"]["grad_accum"] == 2 and config["train"]["epochs"] == 2  # the overrides, resolved
+    assert "backend=none device=cpu" in proc.stderr  # one process: no process group
+
+
+def test_two_ranks_equal_one_process_accumulating_the_same_global_batch(two_nodes, one_process):
     """Rank r takes the r-th half of each global batch, one process with train.grad_accum=2 takes
     the same halves as its micro-batches: the same arithmetic (BatchNorm included), so the losses
     agree to rounding in the first epoch (measured: 7e-6 relative); the rounding differences grow
     over the steps (4e-4 in the second epoch). Unsynchronized or summed gradients give 1e-2 and more."""
     _, two = read_run(two_nodes / "node0" / "runs" / "two")
-    one = tmp_path / "one"
-    launch([DEMO, *SAME, "train.grad_accum=2", f"run.out_dir={one}", f"data.cache_dir={cache_dir}"], nproc=1)
-    _, acc = read_run(one)
+    _, acc = read_run(one_process[1])
     assert [r["world_size"] for r in two] == [2, 2] and [r["world_size"] for r in acc] == [1, 1]
     assert len(two) == len(acc) == 2
     assert two[0]["train_loss"] == pytest.approx(acc[0]["train_loss"], rel=1e-4), (two, acc)
