@@ -78,14 +78,14 @@ def _failed_write(ctx, directory: str) -> str:
     return "saved"
 
 
-def _stop_agreement(ctx) -> dict:
+def _stop_agreement(ctx, ranks: tuple[int, ...] = (1,)) -> dict:
     before = signal.getsignal(signal.SIGTERM)
     stop = StopSignal(timeout_s=60)
     step = 0
     while not stop.check():
         step += 1
-        if ctx.rank == 1 and step == 3:
-            os.kill(os.getpid(), signal.SIGTERM)  # one rank only, as a scheduler may do
+        if ctx.rank in ranks and step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # one rank only, as a scheduler may do; or every rank
         assert step < 50, "the ranks never agreed to stop"
     stop.close()
     return {
@@ -127,6 +127,7 @@ def _scenarios(ctx, tmp: str) -> dict:
         "checkpoint": _per_rank_checkpoint(ctx, os.path.join(tmp, "ck")),
         "failed_write": _failed_write(ctx, os.path.join(blocker, "checkpoints")),
         "stop": _stop_agreement(ctx),
+        "stop_all": _stop_agreement(ctx, (0, 1)),
         "shared_error": _shared_error(ctx),
         "timeout": _real_timeout(ctx),
     }
@@ -156,6 +157,9 @@ def test_a_signal_to_one_rank_stops_all_at_the_same_step(two_ranks):
     assert s0 == s1, (s0, s1)
     assert s0["step"] == 4  # signal before step 4's check; agreed one check later
     assert (s0["name"], s0["code"], s0["restored"]) == ("SIGTERM", 143, True)
+    # every rank signalled at once (a scheduler stopping the job): the same signal and exit code
+    a0, a1 = (r["stop_all"] for r in two_ranks)
+    assert a0 == a1 == s0, (a0, a1)
 
 
 def test_an_expected_error_on_one_rank_is_raised_on_every_rank(two_ranks):
