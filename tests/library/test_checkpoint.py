@@ -213,6 +213,11 @@ def test_checkpoint_of_another_model_or_config_names_the_difference(tmp_path):
     text = str(err.value)
     assert "model tensors not in the checkpoint: head.weight" in text, text
     assert "checkpoint tensors this model does not have: 0.0.weight" in text, text
+    # the same model in another dtype
+    model64, opt64, sched64 = make()
+    model64.double()
+    with pytest.raises(CheckpointError, match=r"\[4, 3, 3, 3\] float32 in the checkpoint, \[4, 3, 3, 3\] float64 here"):
+        ck.load(objects(model64, opt64, sched64), fingerprint=fingerprint(model64, lr=0.1))
     # an object this run restores that the checkpoint has no state for
     with pytest.raises(CheckpointError, match=r"epoch0003-step000000\.pt has no state for ema"):
         ck.load({**objects(model, opt, sched), "ema": copy.deepcopy(model)}, fingerprint=fingerprint(model, lr=0.1))

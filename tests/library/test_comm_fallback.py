@@ -167,13 +167,17 @@ def test_concatenated_batch_with_grad_accum():
     torch.manual_seed(0)
     model = plain_net()
     opt = make_opt(model)
+    losses = []
     for x, y in data:
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
         opt.step()
     out = run_ranks(run_fallback, 2, "plain", data, 2, 2)
     for node in out:
         assert_close_lists(node["params"], list(model.parameters()))
+        assert node["losses"] == pytest.approx(losses, rel=1e-5)  # the mean over micro-batches, GPUs and nodes
 
 
 def test_one_process_three_replicas_without_process_group():

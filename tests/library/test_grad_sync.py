@@ -158,8 +158,56 @@ SMALL = {"bucket_mb": 0.002, "first_bucket_mb": 5e-4}  # a few buckets
 TINY = {"bucket_mb": 1e-4, "first_bucket_mb": 1e-5}  # a bucket per parameter
 
 
+def _freeze_with_sync_zero_grad(ctx) -> dict:
+    """fc1 frozen after two steps, gradients zeroed with sync.zero_grad() (the buckets, in place): the
+    frozen layer must not move again (no stale gradient view left on it), the others still train."""
+    torch.manual_seed(0)
+    model = Net()
+    sync = GradSync(model, **SMALL)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        if step == 2:
+            model.fc1.requires_grad_(False)
+            frozen = model.fc1.weight.detach().clone()
+            trained = model.fc2.weight.detach().clone()
+        x, y = _batch(step, B)
+        F.cross_entropy(model(x[ctx.rank :: 2]), y[ctx.rank :: 2]).backward()
+        sync.wait()
+        opt.step()
+        sync.zero_grad()
+    sync.close()
+    return {
+        "frozen_moved": (model.fc1.weight - frozen).abs().max().item(),
+        "frozen_grad": model.fc1.weight.grad,
+        "trained_moved": (model.fc2.weight - trained).abs().max().item(),
+    }
+
+
+def _no_sync_is_silent(ctx) -> int:
+    """The all_reduces issued by a backward and wait() inside no_sync(): none."""
+    model = Net()
+    sync = GradSync(model, **TINY)
+    calls = []
+    original = dist.all_reduce
+    dist.all_reduce = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        x, y = _batch(0, B)
+        with sync.no_sync():
+            F.cross_entropy(model(x), y).backward()
+            sync.wait()
+        inside = len(calls)
+        F.cross_entropy(model(x), y).backward()
+        sync.wait()
+    finally:
+        dist.all_reduce = original
+    sync.close()
+    return inside, len(calls) - inside
+
+
 def _edge_cases(ctx):
     return {
+        "freeze": _freeze_with_sync_zero_grad(ctx),
+        "no_sync_calls": _no_sync_is_silent(ctx),
         "unused_frozen": _train(ctx, {"unused": True, "frozen": True}, SMALL, "none"),
         "branch_on_rank0_only": _train(ctx, {"branch": True}, TINY, "none"),
         "no_sync": _train(ctx, {}, SMALL, "none", accum=2),
@@ -171,6 +219,11 @@ def _edge_cases(ctx):
 def test_unused_frozen_data_dependent_and_no_sync():
     results = run_ranks(_edge_cases, 2)
     for rank, res in enumerate(results):
+        freeze = res.pop("freeze")
+        assert freeze["frozen_moved"] == 0.0 and freeze["frozen_grad"] is None, (rank, freeze)
+        assert freeze["trained_moved"] > 0, (rank, freeze)
+        inside, synced = res.pop("no_sync_calls")
+        assert inside == 0 and synced == 6, (rank, "no_sync() communicates nothing", inside, synced)
         for name, r in res.items():
             assert r["diff"] < 1e-5, (rank, name, r["diff"])
             assert r["strides"], (rank, name)
@@ -423,11 +476,15 @@ def _rank0_buffers(ctx):
     before = {k: v.tolist() for k, v in other.state_dict().items()}
     broadcast_module(other, chunk_bytes=40)
     chunked = {k: v.tolist() for k, v in other.state_dict().items()}
-    return {k: v.tolist() for k, v in model.state_dict().items()}, before, chunked
+    own = BufNet()  # broadcast=False: each rank keeps its own weights (e.g. each loaded them itself)
+    kept = own.lin.weight.tolist()
+    GradSync(own, broadcast=False).close()
+    return {k: v.tolist() for k, v in model.state_dict().items()}, before, chunked, own.lin.weight.tolist() == kept
 
 
 def test_construction_broadcasts_rank0_parameters_and_buffers():
-    (r0, before0, chunked0), (r1, before1, chunked1) = run_ranks(_rank0_buffers, 2)
+    (r0, before0, chunked0, kept0), (r1, before1, chunked1, kept1) = run_ranks(_rank0_buffers, 2)
+    assert kept0 and kept1, "GradSync(broadcast=False) must leave the weights alone"
     assert r0["bn.num_batches_tracked"] == 7
     assert r1 == r0, "every parameter and buffer must be rank 0's after GradSync()"
     assert all(before0[k] != before1[k] for k in ("lin.weight", "lin.bias", "bn.running_var", "scale"))

@@ -7,6 +7,7 @@ on a busy CI machine); each test below checks one of them.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import signal
 
@@ -145,6 +146,32 @@ def test_each_rank_gets_back_its_own_rng_buffers_and_values(two_ranks):
     assert (r0["position"], r1["position"]) == ((5, 20.0), (5, 21.0))  # state_dict rank 0's, rank_state_dict own
     assert r0["rng"] and r1["rng"]
     assert set(r0["bn"]) == {0.0} and set(r1["bn"]) == {1.0}
+
+
+def test_at_another_world_size_every_rank_takes_rank_0s_state_and_no_per_rank_state(two_ranks):
+    """The two ranks' checkpoint resumed here, in one process: shared state and buffers are rank 0's,
+    per-rank RNG states and values are not restored, and a warning says so."""
+    path = two_ranks[0]["checkpoint"]["path"]
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    logging.getLogger("distlib").addHandler(handler)
+    try:
+        model, opt, sched = make()
+        position = _Position(-1, torch.tensor(-1.0))
+        resumed = Checkpointer(os.path.dirname(path)).load(
+            {**objects(model, opt, sched), "position": position}, fingerprint=fingerprint(model)
+        )
+    finally:
+        logging.getLogger("distlib").removeHandler(handler)
+    assert resumed.path == path and (resumed.epoch, resumed.step) == (1, 3)
+    assert resumed.rank_extra == {} and position.shared == 5 and position.own.item() == -1.0
+    assert set(model[0][1].running_mean.tolist()) == {0.0}  # rank 0's BatchNorm statistics
+    assert any("checkpoint written by 2 rank(s), this run has 1" in r for r in records), records
 
 
 def test_a_failed_write_fails_every_rank_instead_of_hanging(two_ranks):
