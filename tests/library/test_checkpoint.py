@@ -16,6 +16,7 @@ from distlib.checkpoint import (
     Checkpointer,
     CheckpointError,
     Resumed,
+    checksum,
     fingerprint,
     read_verified,
     write_atomic,
@@ -130,6 +131,8 @@ def test_keeps_only_the_newest(tmp_path):
     names = [os.path.basename(p) for p in ck.paths()]
     assert names == ["epoch0003-step000000.pt", "epoch0002-step000000.pt"]
     assert sorted(os.listdir(tmp_path)) == sorted(names)  # no temporary files left behind
+    with pytest.raises(ValueError, match="keep must be >= 1, got 0"):
+        Checkpointer(str(tmp_path), keep=0)
 
 
 def test_interrupted_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
@@ -200,6 +203,45 @@ def test_checkpoint_of_another_model_or_config_names_the_difference(tmp_path):
     assert "lr: checkpoint has 0.1, this run has 0.2" in text
     assert "0.0.weight ([4, 3, 3, 3] float32 in the checkpoint, [8, 3, 3, 3] float32 here)" in text
     assert "run.resume=false" in text
+    # tensors only this model has, and tensors only the checkpoint has, are named too
+    model, opt, sched = make()
+    fp = fingerprint(model, lr=0.1)
+    fp["tensors"]["head.weight"] = "[3] float32"
+    del fp["tensors"]["0.0.weight"]
+    with pytest.raises(CheckpointError) as err:
+        ck.load(objects(model, opt, sched), fingerprint=fp)
+    text = str(err.value)
+    assert "model tensors not in the checkpoint: head.weight" in text, text
+    assert "checkpoint tensors this model does not have: 0.0.weight" in text, text
+    # the same model in another dtype
+    model64, opt64, sched64 = make()
+    model64.double()
+    with pytest.raises(CheckpointError, match=r"\[4, 3, 3, 3\] float32 in the checkpoint, \[4, 3, 3, 3\] float64 here"):
+        ck.load(objects(model64, opt64, sched64), fingerprint=fingerprint(model64, lr=0.1))
+    # an object this run restores that the checkpoint has no state for
+    with pytest.raises(CheckpointError, match=r"epoch0003-step000000\.pt has no state for ema"):
+        ck.load({**objects(model, opt, sched), "ema": copy.deepcopy(model)}, fingerprint=fingerprint(model, lr=0.1))
+
+
+def test_a_checkpoint_of_another_format_version_is_refused(tmp_path):
+    ck, _ = saved_three(tmp_path)
+    path = ck.paths()[0]
+    payload = torch.load(path, weights_only=True)
+    payload["version"] = 2
+    payload["checksum"] = checksum(payload)  # a valid file of another version
+    write_atomic(payload, path)
+    with pytest.raises(CheckpointError, match="checkpoint format version 2, expected 1"):
+        read_verified(path)
+
+
+def test_resume_loads_when_enabled_and_deletes_the_old_checkpoints_when_not(tmp_path, warnings_of_distlib):
+    ck, fp = saved_three(tmp_path)
+    model, opt, sched = make(seed=1)
+    resumed = ck.resume(objects(model, opt, sched), fingerprint=fp, enabled=True, epochs=5)
+    assert (resumed.epoch, resumed.path) == (3, ck.paths()[0])
+    assert ck.resume(objects(model, opt, sched), fingerprint=fp, enabled=False) == Resumed()
+    assert ck.paths() == [] and os.listdir(tmp_path) == []
+    assert any("deleted the old checkpoints" in r.getMessage() for r in warnings_of_distlib)
 
 
 def test_temporary_files_are_not_checkpoints(tmp_path):

@@ -8,8 +8,11 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 
 import distlib
+from distlib.state_broadcast import broadcast_module
 from tests.conftest import run_ranks
 
 DTYPES = [torch.float32, torch.float64, torch.int64]
@@ -63,6 +66,20 @@ def _exercise(ctx, sync_dir: str):
     t = torch.ones(2)
     distlib.all_reduce(t)  # still in step after the errors
     out["after errors"] = t
+
+    if ctx.world_size == 3:  # a group of ranks 1 and 2: its first rank, global rank 1, is their source
+        group = dist.new_group([1, 2])  # a collective of every rank
+        if ctx.rank in (1, 2):
+            bn = nn.BatchNorm1d(2)
+            bn.running_mean.fill_(float(ctx.rank))
+            bn.num_batches_tracked.fill_(10 + ctx.rank)
+            distlib.sync_buffers(bn, group=group)
+            out["group sync_buffers"] = (bn.running_mean.tolist(), bn.num_batches_tracked.item())
+            lin = nn.Linear(2, 2)
+            with torch.no_grad():
+                lin.weight.fill_(float(ctx.rank))
+            broadcast_module(lin, group=group)
+            out["group broadcast_module"] = lin.weight.tolist()
     return out
 
 
@@ -102,6 +119,9 @@ def test_collectives_match_single_process_reference(world_size, tmp_path):
         assert out[("bad op", "avg")] == "op must be one of sum, mean, max, min, got 'avg'"
         assert out["int mean"] == "op='mean' needs a floating-point tensor, got torch.int64"
         assert out["after errors"].tolist() == [world_size, world_size]
+        if world_size == 3 and rank > 0:  # floats averaged over the group, the rest from its first rank
+            assert out["group sync_buffers"] == ([1.5, 1.5], 11)
+            assert out["group broadcast_module"] == [[1.0, 1.0], [1.0, 1.0]]
 
 
 def test_reference_inputs_differ_per_rank():

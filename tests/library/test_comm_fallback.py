@@ -167,13 +167,17 @@ def test_concatenated_batch_with_grad_accum():
     torch.manual_seed(0)
     model = plain_net()
     opt = make_opt(model)
+    losses = []
     for x, y in data:
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
         opt.step()
     out = run_ranks(run_fallback, 2, "plain", data, 2, 2)
     for node in out:
         assert_close_lists(node["params"], list(model.parameters()))
+        assert node["losses"] == pytest.approx(losses, rel=1e-5)  # the mean over micro-batches, GPUs and nodes
 
 
 def test_one_process_three_replicas_without_process_group():
@@ -188,6 +192,28 @@ def test_one_process_three_replicas_without_process_group():
     assert_close_lists(out["params"], ref_params)
     assert_close_lists(out["buffers"], ref_buffers)
     assert out["losses"] == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_replicas_follow_the_roots_train_and_eval_mode():
+    """Training with frozen BatchNorm statistics (model.eval() during training): every replica runs
+    in eval mode too, so the step equals one process on the whole batch in eval mode."""
+    torch.manual_seed(0)
+    model = bn_net()
+    with torch.no_grad():
+        model[1].running_mean.uniform_()  # statistics that differ from a batch's
+    replicas = Replicas(model, ["cpu", "cpu"])
+    ref = copy.deepcopy(model).eval()
+    model.eval()
+    (x, y), (x2, y2) = batches(2, 8)
+    replicas.train_step(x, y, F.cross_entropy)
+    F.cross_entropy(ref(x), y).backward()
+    assert not any(m.training for m in replicas.models)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    model.train()  # and back: every replica trains again (batch statistics, running ones updated)
+    replicas.train_step(x2, y2, F.cross_entropy)
+    assert all(m.training for m in replicas.models)
+    assert all(not torch.equal(m[1].running_mean, ref[1].running_mean) for m in replicas.models)
 
 
 def test_flat_views_keep_layout_and_share_memory():
@@ -210,6 +236,8 @@ def test_bad_input_is_named():
         Replicas(bn_net(), ["cpu", "cpu", "cpu"]).train_step(torch.randn(4, 3, 6, 6), torch.zeros(4).long(), F.mse_loss)
     with pytest.raises(ValueError, match="multiple of 4"):
         Replicas(bn_net(), ["cpu", "cpu"]).check_batch(6, grad_accum=2)
+    with pytest.raises(ValueError, match="a node batch of 0 does not split"):
+        Replicas(bn_net(), ["cpu", "cpu"]).check_batch(0)
     with pytest.raises(ValueError, match="all GPUs"):
         Replicas(bn_net(), ["cpu", "meta"])
     with pytest.raises(ValueError, match="must return a scalar"):

@@ -50,6 +50,8 @@ class MLP(nn.Module):
         self.unused = nn.Linear(16, 16) if unused else None  # never called
         self.branch = nn.Linear(16, 16) if branch else None  # called while use_branch is set
         self.use_branch = True
+        self.branch_first_micro_step = False  # with 2 micro-steps: the branch only in the first (no_sync) one
+        self.calls = 0
         if buffers:
             self.register_buffer("scale", torch.ones(12))
             self.register_buffer("count", torch.zeros((), dtype=torch.int64))
@@ -63,7 +65,9 @@ class MLP(nn.Module):
         h = F.relu(self.fc2(h))
         if self.tied is not None:
             h = h + torch.tanh(self.tied(h))
-        if self.branch is not None and self.use_branch:
+        use_branch = self.use_branch and (not self.branch_first_micro_step or self.calls % 2 == 0)
+        self.calls += 1
+        if self.branch is not None and use_branch:
             h = h + torch.tanh(self.branch(h))
         return self.out(h)
 
@@ -227,6 +231,11 @@ def _on_off(step, model, rank):
     return False
 
 
+def _branch_in_first_micro_step(step, model, rank):
+    model.branch_first_micro_step = True  # used in the no_sync micro-step, not in the synced one
+    return False
+
+
 def _freeze_then_unfreeze(step, model, rank):
     if step == 2:
         model.fc2.requires_grad_(False)  # frozen mid-training: must stay where it is
@@ -263,6 +272,10 @@ def _unused(ctx) -> dict:
         sync_kw={**TINY, "comm_groups": 2},
         accum=2,
         **unused,
+    )
+    # a parameter used only in the accumulation (no_sync) micro-step of each step is used: averaged, not None
+    out["used only in the no_sync micro-step"] = _case(
+        ctx, lambda: MLP(branch=True), on_step=_branch_in_first_micro_step, accum=2, **unused
     )
     out["frozen at step 2, unfrozen at step 4"] = _case(ctx, MLP, on_step=_freeze_then_unfreeze, **unused)
     out["frozen at build, unfrozen at step 2"] = _case(

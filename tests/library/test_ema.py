@@ -53,6 +53,9 @@ def test_matches_averaged_model_over_steps():
     fresh.load_state_dict(ref.state_dict())
     for a, b in zip(_float_state(fresh.module), theirs):
         assert torch.equal(a, b)
+    partial = {k: v for k, v in ref.state_dict().items() if k != "module.0.weight"}
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"module\.0\.weight\""):
+        fresh.load_state_dict(partial)  # strict, as nn.Module's: a checkpoint of another model is refused
     with pytest.raises(ValueError, match="decay must be in"):
         ema.set_decay(1.5)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import distlib
-from distlib.process_group import EnvError, parse_env, resolve_backend
+from distlib.process_group import Context, EnvError, parse_env, resolve_backend
 
 FULL = {
     "RANK": "1",
@@ -32,6 +32,11 @@ def test_full_environment():
     info = parse_env(FULL)
     assert (info.rank, info.local_rank, info.world_size, info.local_world_size) == (1, 1, 4, 2)
     assert parse_env(without("LOCAL_WORLD_SIZE")).local_world_size == 4  # optional: defaults to WORLD_SIZE
+    assert parse_env({**FULL, "MASTER_PORT": "65535"}).master_port == 65535
+    # the node of a rank: ranks 0-3 on node 0, 4-7 on node 1 (4 per node)
+    cpu = torch.device("cpu")
+    nodes = [Context(r, r % 4, 8, 4, cpu, "gloo").node_rank for r in range(8)]
+    assert nodes == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
 def test_half_set_names_what_is_missing():
@@ -69,6 +74,8 @@ def test_non_integers(key, value, message):
         ({"WORLD_SIZE": "0", "RANK": "0", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}, "WORLD_SIZE=0 must be >= 1"),
         ({"LOCAL_RANK": "2"}, "LOCAL_RANK=2 must be in [0, LOCAL_WORLD_SIZE=2)"),
         ({"LOCAL_WORLD_SIZE": "8"}, "LOCAL_WORLD_SIZE=8 must be <= WORLD_SIZE=4"),
+        ({"MASTER_PORT": "0"}, "MASTER_PORT=0 is not a TCP port (1-65535)"),
+        ({"MASTER_PORT": "65536"}, "MASTER_PORT=65536 is not a TCP port (1-65535)"),
     ],
 )
 def test_out_of_range(changes, message):

@@ -5,6 +5,10 @@ from __future__ import annotations
 from distlib.failures import describe
 
 GLOO_TIMEOUT = "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv"
+NCCL_TIMEOUT = (
+    "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, NumelIn=1, "
+    "NumelOut=1, Timeout(ms)=600000) ran for 600042 milliseconds before timing out."
+)
 GLOO_RESET = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error: Connection reset by peer"
 
 
@@ -19,6 +23,12 @@ def test_a_gloo_timeout_says_who_waited_where_and_how_long():
     text = describe(raised(GLOO_TIMEOUT), rank=3, timeout_s=10)
     assert text.startswith("rank 3 timed out waiting for the other ranks in a collective (called from tests/")
     assert "after 10 s (dist.timeout_s)" in text and "Timed out waiting 10000ms" in text
+
+
+def test_an_nccl_timeout_is_described_too():
+    text = describe(raised(NCCL_TIMEOUT), rank=1, timeout_s=600)
+    assert text is not None and text.startswith("rank 1 timed out waiting for the other ranks in a collective")
+    assert "after 600 s (dist.timeout_s)" in text
 
 
 def test_a_lost_peer_is_named_as_such():

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlib.grad_sync import GradSync, ModelMismatchError
+from distlib.state_broadcast import broadcast_module
 from tests.conftest import run_ranks
 
 B = 4  # samples per rank
@@ -157,8 +158,56 @@ SMALL = {"bucket_mb": 0.002, "first_bucket_mb": 5e-4}  # a few buckets
 TINY = {"bucket_mb": 1e-4, "first_bucket_mb": 1e-5}  # a bucket per parameter
 
 
+def _freeze_with_sync_zero_grad(ctx) -> dict:
+    """fc1 frozen after two steps, gradients zeroed with sync.zero_grad() (the buckets, in place): the
+    frozen layer must not move again (no stale gradient view left on it), the others still train."""
+    torch.manual_seed(0)
+    model = Net()
+    sync = GradSync(model, **SMALL)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        if step == 2:
+            model.fc1.requires_grad_(False)
+            frozen = model.fc1.weight.detach().clone()
+            trained = model.fc2.weight.detach().clone()
+        x, y = _batch(step, B)
+        F.cross_entropy(model(x[ctx.rank :: 2]), y[ctx.rank :: 2]).backward()
+        sync.wait()
+        opt.step()
+        sync.zero_grad()
+    sync.close()
+    return {
+        "frozen_moved": (model.fc1.weight - frozen).abs().max().item(),
+        "frozen_grad": model.fc1.weight.grad,
+        "trained_moved": (model.fc2.weight - trained).abs().max().item(),
+    }
+
+
+def _no_sync_is_silent(ctx) -> int:
+    """The all_reduces issued by a backward and wait() inside no_sync(): none."""
+    model = Net()
+    sync = GradSync(model, **TINY)
+    calls = []
+    original = dist.all_reduce
+    dist.all_reduce = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        x, y = _batch(0, B)
+        with sync.no_sync():
+            F.cross_entropy(model(x), y).backward()
+            sync.wait()
+        inside = len(calls)
+        F.cross_entropy(model(x), y).backward()
+        sync.wait()
+    finally:
+        dist.all_reduce = original
+    sync.close()
+    return inside, len(calls) - inside
+
+
 def _edge_cases(ctx):
     return {
+        "freeze": _freeze_with_sync_zero_grad(ctx),
+        "no_sync_calls": _no_sync_is_silent(ctx),
         "unused_frozen": _train(ctx, {"unused": True, "frozen": True}, SMALL, "none"),
         "branch_on_rank0_only": _train(ctx, {"branch": True}, TINY, "none"),
         "no_sync": _train(ctx, {}, SMALL, "none", accum=2),
@@ -170,6 +219,11 @@ def _edge_cases(ctx):
 def test_unused_frozen_data_dependent_and_no_sync():
     results = run_ranks(_edge_cases, 2)
     for rank, res in enumerate(results):
+        freeze = res.pop("freeze")
+        assert freeze["frozen_moved"] == 0.0 and freeze["frozen_grad"] is None, (rank, freeze)
+        assert freeze["trained_moved"] > 0, (rank, freeze)
+        inside, synced = res.pop("no_sync_calls")
+        assert inside == 0 and synced == 6, (rank, "no_sync() communicates nothing", inside, synced)
         for name, r in res.items():
             assert r["diff"] < 1e-5, (rank, name, r["diff"])
             assert r["strides"], (rank, name)
@@ -189,15 +243,23 @@ def _compressed_and_buffers(ctx):
     bn.running_mean.fill_(float(ctx.rank))
     bn.num_batches_tracked.fill_(10 + ctx.rank)
     sync.sync_buffers()
-    return exact, bf16, bn.running_mean.tolist(), bn.num_batches_tracked.item()
+    # the default bucket sizes (first_bucket_mb=1, bucket_mb=25) on a model of 3 MB
+    big = nn.Sequential(*(nn.Linear(512, 512) for _ in range(3)))
+    default = GradSync(big)
+    layout = default.bucket_sizes(), sum(p.numel() * p.element_size() for p in big.parameters())
+    default.close()
+    return exact, bf16, bn.running_mean.tolist(), bn.num_batches_tracked.item(), layout
 
 
 def test_bf16_compression_close_to_exact_and_buffer_sync():
-    for exact, bf16, mean, tracked in run_ranks(_compressed_and_buffers, 2):
+    for exact, bf16, mean, tracked, (sizes, nbytes) in run_ranks(_compressed_and_buffers, 2):
         assert bf16["comp"] and set(bf16["comp"]) == {"torch.bfloat16"}
         assert bf16["diff"] < 5e-3, bf16["diff"]  # bf16 rounding of the averaged gradients
         assert exact["diff"] < 1e-5
         assert mean == [0.5, 0.5, 0.5] and tracked == 10  # running statistics averaged, counters from rank 0
+        # defaults: a first bucket of at most 1 MB (the last layer's bias: its 1 MB weight does not fit
+        # beside it), then the other 3 MB in one bucket of at most 25 MB; bucket_sizes() counts gradient bytes
+        assert sizes == [512 * 4, nbytes - 512 * 4], sizes
 
 
 # ---- buckets spread over several communicators (comm_groups) -------------------------------
@@ -349,8 +411,8 @@ def test_bucket_order_rebuilt_from_arrival_order():
 
 
 def _mismatch(ctx, kind):
-    classes = 6 if (kind == "shape" and ctx.rank == 1) else 5
-    model = Net(classes=classes, unused=kind == "extra" and ctx.rank == 2)
+    classes = 6 if (kind in ("shape", "both") and ctx.rank == 1) else 5
+    model = Net(classes=classes, unused=kind in ("extra", "both") and ctx.rank == 2)
     t0 = time.perf_counter()
     try:
         GradSync(model)
@@ -360,16 +422,19 @@ def _mismatch(ctx, kind):
 
 
 def _mismatches(ctx):
-    return [_mismatch(ctx, "shape"), _mismatch(ctx, "extra")]
+    return [_mismatch(ctx, "shape"), _mismatch(ctx, "extra"), _mismatch(ctx, "both")]
 
 
 def test_preflight_mismatch_fails_fast_on_every_rank():
     results = run_ranks(_mismatches, 3)
-    for (shape_msg, t_shape), (extra_msg, t_extra) in results:
+    for (shape_msg, t_shape), (extra_msg, t_extra), (both_msg, _) in results:
         assert shape_msg is not None and extra_msg is not None, "every rank must raise"
         assert "rank 1" in shape_msg and "'fc2.weight' has shape (6, 16), rank 0 has (5, 16)" in shape_msg
         assert "rank 2" in extra_msg and "'unused.weight'" in extra_msg and "does not exist on rank 0" in extra_msg
         assert t_shape < 10 and t_extra < 10
+        # two ranks differ from rank 0, each in its own way: both are named
+        assert "rank 1: param 'fc2.weight' has shape (6, 16)" in both_msg, both_msg
+        assert "rank 2: param 'unused.weight'" in both_msg, both_msg
 
 
 class BufNet(nn.Module):
@@ -385,6 +450,8 @@ class BufNet(nn.Module):
         layers = [("lin", nn.Linear(3, 3)), ("bn", nn.BatchNorm1d(3))]
         for name, m in reversed(layers) if variant == "param_order" else layers:
             self.add_module(name, m)
+        if variant == "requires_grad":
+            self.lin.weight.requires_grad_(False)  # frozen on one rank only: the buckets would differ
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.bn(self.lin(x)) * self.scale[:3].float() + self.shift
@@ -400,13 +467,28 @@ def _rank0_buffers(ctx):
         model.bn.running_var.uniform_(1, 2)
         model.bn.num_batches_tracked.fill_(7 + ctx.rank)
     GradSync(model)
-    return {k: v.tolist() for k, v in model.state_dict().items()}
+    # broadcast_module cuts each dtype into chunks of at most chunk_bytes: 40 bytes here, so that
+    # chunks of one, two and three tensors all occur (a model of more than 64 MB per dtype)
+    other = BufNet()
+    with torch.no_grad():
+        other.scale.uniform_()
+        other.bn.running_var.uniform_(1, 2)
+    before = {k: v.tolist() for k, v in other.state_dict().items()}
+    broadcast_module(other, chunk_bytes=40)
+    chunked = {k: v.tolist() for k, v in other.state_dict().items()}
+    own = BufNet()  # broadcast=False: each rank keeps its own weights (e.g. each loaded them itself)
+    kept = own.lin.weight.tolist()
+    GradSync(own, broadcast=False).close()
+    return {k: v.tolist() for k, v in model.state_dict().items()}, before, chunked, own.lin.weight.tolist() == kept
 
 
 def test_construction_broadcasts_rank0_parameters_and_buffers():
-    results = run_ranks(_rank0_buffers, 2)
-    assert results[0]["bn.num_batches_tracked"] == 7
-    assert results[1] == results[0], "every parameter and buffer must be rank 0's after GradSync()"
+    (r0, before0, chunked0, kept0), (r1, before1, chunked1, kept1) = run_ranks(_rank0_buffers, 2)
+    assert kept0 and kept1, "GradSync(broadcast=False) must leave the weights alone"
+    assert r0["bn.num_batches_tracked"] == 7
+    assert r1 == r0, "every parameter and buffer must be rank 0's after GradSync()"
+    assert all(before0[k] != before1[k] for k in ("lin.weight", "lin.bias", "bn.running_var", "scale"))
+    assert chunked0 == before0 and chunked1 == before0, "every chunk of the broadcast must reach rank 1"
 
 
 def _buffer_mismatch(ctx, variant):
@@ -418,17 +500,27 @@ def _buffer_mismatch(ctx, variant):
 
 
 def _buffer_mismatches(ctx):
-    return {v: _buffer_mismatch(ctx, v) for v in ("buffer_dtype", "buffer_shape", "buffer_order", "param_order")}
+    variants = ("buffer_dtype", "buffer_shape", "buffer_order", "param_order", "requires_grad")
+    out = {v: _buffer_mismatch(ctx, v) for v in variants}
+    model = nn.Linear(2, 2)
+    model.bias = nn.Parameter(torch.zeros(2, device="meta"))  # parameters on two devices
+    try:
+        GradSync(model)
+    except ValueError as e:
+        out["two_devices"] = str(e)
+    return out
 
 
 def test_preflight_compares_buffers_and_registration_order():
     for rank, res in enumerate(run_ranks(_buffer_mismatches, 2)):
+        assert "GradSync needs the model on one device" in res.pop("two_devices", ""), rank
         for variant, msg in res.items():
             assert msg is not None, (rank, variant, "every rank must raise ModelMismatchError")
             assert "rank 1" in msg, (variant, msg)
         assert "'scale'" in res["buffer_dtype"] and "float64" in res["buffer_dtype"], res["buffer_dtype"]
         assert "'scale'" in res["buffer_shape"] and "(4,)" in res["buffer_shape"], res["buffer_shape"]
         assert "registration order" in res["buffer_order"] and "registration order" in res["param_order"]
+        assert "'lin.weight' has requires_grad=False, rank 0 has True" in res["requires_grad"], res["requires_grad"]
 
 
 def _twice(ctx):

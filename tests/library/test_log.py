@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from distlib.log import _RankHandler, get_logger, set_rank
@@ -46,3 +48,16 @@ def test_other_ranks_print_only_warnings_and_errors(captured):
 def test_one_handler_however_often_asked():
     assert get_logger() is get_logger()
     assert sum(isinstance(h, _RankHandler) for h in get_logger().handlers) == 1
+
+
+def test_a_handler_attached_by_someone_else_does_not_replace_ours():
+    logger = logging.getLogger("distlib")
+    saved = logger.handlers[:]
+    foreign = logging.NullHandler()  # e.g. an application's, attached before distlib's first use
+    logger.handlers = [foreign]
+    try:
+        get_logger()
+        assert foreign in logger.handlers
+        assert sum(isinstance(h, _RankHandler) for h in logger.handlers) == 1
+    finally:
+        logger.handlers = saved

@@ -7,6 +7,7 @@ on a busy CI machine); each test below checks one of them.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import signal
 
@@ -78,14 +79,14 @@ def _failed_write(ctx, directory: str) -> str:
     return "saved"
 
 
-def _stop_agreement(ctx) -> dict:
+def _stop_agreement(ctx, ranks: tuple[int, ...] = (1,)) -> dict:
     before = signal.getsignal(signal.SIGTERM)
     stop = StopSignal(timeout_s=60)
     step = 0
     while not stop.check():
         step += 1
-        if ctx.rank == 1 and step == 3:
-            os.kill(os.getpid(), signal.SIGTERM)  # one rank only, as a scheduler may do
+        if ctx.rank in ranks and step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # one rank only, as a scheduler may do; or every rank
         assert step < 50, "the ranks never agreed to stop"
     stop.close()
     return {
@@ -127,6 +128,7 @@ def _scenarios(ctx, tmp: str) -> dict:
         "checkpoint": _per_rank_checkpoint(ctx, os.path.join(tmp, "ck")),
         "failed_write": _failed_write(ctx, os.path.join(blocker, "checkpoints")),
         "stop": _stop_agreement(ctx),
+        "stop_all": _stop_agreement(ctx, (0, 1)),
         "shared_error": _shared_error(ctx),
         "timeout": _real_timeout(ctx),
     }
@@ -146,6 +148,32 @@ def test_each_rank_gets_back_its_own_rng_buffers_and_values(two_ranks):
     assert set(r0["bn"]) == {0.0} and set(r1["bn"]) == {1.0}
 
 
+def test_at_another_world_size_every_rank_takes_rank_0s_state_and_no_per_rank_state(two_ranks):
+    """The two ranks' checkpoint resumed here, in one process: shared state and buffers are rank 0's,
+    per-rank RNG states and values are not restored, and a warning says so."""
+    path = two_ranks[0]["checkpoint"]["path"]
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    logging.getLogger("distlib").addHandler(handler)
+    try:
+        model, opt, sched = make()
+        position = _Position(-1, torch.tensor(-1.0))
+        resumed = Checkpointer(os.path.dirname(path)).load(
+            {**objects(model, opt, sched), "position": position}, fingerprint=fingerprint(model)
+        )
+    finally:
+        logging.getLogger("distlib").removeHandler(handler)
+    assert resumed.path == path and (resumed.epoch, resumed.step) == (1, 3)
+    assert resumed.rank_extra == {} and position.shared == 5 and position.own.item() == -1.0
+    assert set(model[0][1].running_mean.tolist()) == {0.0}  # rank 0's BatchNorm statistics
+    assert any("checkpoint written by 2 rank(s), this run has 1" in r for r in records), records
+
+
 def test_a_failed_write_fails_every_rank_instead_of_hanging(two_ranks):
     for r in two_ranks:
         assert r["failed_write"].startswith("rank 0 could not write checkpoint"), r["failed_write"]
@@ -156,6 +184,9 @@ def test_a_signal_to_one_rank_stops_all_at_the_same_step(two_ranks):
     assert s0 == s1, (s0, s1)
     assert s0["step"] == 4  # signal before step 4's check; agreed one check later
     assert (s0["name"], s0["code"], s0["restored"]) == ("SIGTERM", 143, True)
+    # every rank signalled at once (a scheduler stopping the job): the same signal and exit code
+    a0, a1 = (r["stop_all"] for r in two_ranks)
+    assert a0 == a1 == s0, (a0, a1)
 
 
 def test_an_expected_error_on_one_rank_is_raised_on_every_rank(two_ranks):

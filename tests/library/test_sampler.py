@@ -39,6 +39,8 @@ def test_each_pass_advances_the_epoch():
     # the same seed gives the same sequence of orders
     (again,) = rank_loaders(40, 1, shuffle=True)
     assert [indices(again) for _ in range(3)] == passes
+    (default,) = rank_loaders(40, 1)  # a map-style dataset is shuffled by default
+    assert [indices(default) for _ in range(3)] == passes
 
 
 def test_set_epoch_chooses_the_next_pass():
@@ -98,6 +100,14 @@ def test_non_exact_pads_like_distributed_sampler(world, n):
 def test_drop_last_drops_the_tail_everywhere():
     shards = [indices(loader) for loader in rank_loaders(10, 3, shuffle=False, drop_last=True)]
     assert [len(s) for s in shards] == [3, 3, 3]
+    # the sampler drops the tail as well, instead of padding it with repeated samples that the
+    # loader then keeps (visible with batches of one)
+    for shuffle in (False, True):
+        shards = [
+            indices(distlib.distributed_loader(dataset(10), 1, shuffle=shuffle, drop_last=True, num_replicas=3, rank=r))
+            for r in range(3)
+        ]
+        assert [len(s) for s in shards] == [3, 3, 3] and len(set(itertools.chain(*shards))) == 9, shards
 
 
 def test_dataloader_kwargs_pass_through_and_sampler_is_refused():

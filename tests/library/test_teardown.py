@@ -40,10 +40,13 @@ def _shutdown_joins_threads(ctx):
     torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     t = torch.ones(100)
     distlib.all_reduce(t)
-    group = weakref.ref(dist.group.WORLD)
+    extra = distlib.collectives.comm_groups(2)[1]  # as GradSync(comm_groups=2) makes, the runner's default
+    dist.all_reduce(t, group=extra)
+    groups = [weakref.ref(dist.group.WORLD), weakref.ref(extra)]
+    del extra
     before = _native_threads()
     distlib.shutdown()
-    return group() is None, before, _native_threads()
+    return all(g() is None for g in groups), before, _native_threads()
 
 
 @linux_only

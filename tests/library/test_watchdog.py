@@ -54,6 +54,18 @@ def test_a_stopped_rank_is_killed_and_named_soon_after_the_timeout():
     assert wait_gone(dog, 5)
 
 
+def test_the_grace_is_a_tenth_of_the_timeout_within_1_to_5_s():
+    grace = distlib.watchdog.grace_s
+    assert (grace(1.0), grace(20.0), grace(300.0)) == (1.0, 2.0, 5.0)
+    # the heartbeat comes several times per deadline, so that a healthy rank is never late
+    for timeout in (1.0, 300.0):
+        dog = distlib.watchdog.Watchdog(timeout, rank=0)
+        try:
+            assert dog.deadline_s == timeout + grace(timeout) and dog.interval_s <= dog.deadline_s / 5
+        finally:
+            dog.close()
+
+
 def test_a_busy_or_waiting_rank_is_left_alone():
     proc, dog = start("t = time.time()\nwhile time.time() - t < 1.5: pass\ntime.sleep(1.5)\nprint('done')")
     out, err = proc.communicate(timeout=30)
