@@ -52,10 +52,10 @@ def cutout(x: torch.Tensor, size: int, generator: torch.Generator | None = None)
     n, _, h, w = x.shape
     cy = torch.randint(0, h, (n, 1, 1), device=x.device, generator=generator)
     cx = torch.randint(0, w, (n, 1, 1), device=x.device, generator=generator)
-    ys = torch.arange(h, device=x.device).view(1, h, 1)
-    xs = torch.arange(w, device=x.device).view(1, 1, w)
-    half = size // 2
-    mask = ((ys - cy).abs() <= half) & ((xs - cx).abs() <= half)
+    # rows cy - size // 2 ... and columns cx - size // 2 ..., size of each (cut by the edges)
+    ys = torch.arange(h, device=x.device).view(1, h, 1) - cy + size // 2
+    xs = torch.arange(w, device=x.device).view(1, 1, w) - cx + size // 2
+    mask = (ys >= 0) & (ys < size) & (xs >= 0) & (xs < size)
     return x.masked_fill(mask.unsqueeze(1), 0.0)
 
 

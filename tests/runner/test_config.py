@@ -144,6 +144,7 @@ def test_override_coercion():
             "dist.backend=gloo",  # Literal
             "train.epochs=7",
             "data.cache_dir=",  # empty string
+            "run.out_dir=runs/lr=0.1",  # the value may hold "=": the key ends at the first one
         ],
     )
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
@@ -152,6 +153,7 @@ def test_override_coercion():
     assert cfg.data.download is True and cfg.train.nesterov is False
     assert cfg.run.name == "no" and cfg.data.root == "123"
     assert cfg.dist.backend == "gloo" and cfg.train.epochs == 7 and cfg.data.cache_dir == ""
+    assert cfg.run.out_dir == "runs/lr=0.1"
 
 
 def test_nested_overrides_apply_after_the_recipe(tmp_path):

@@ -6,6 +6,7 @@ Every data set here is a tiny one built in tmp_path from data/cifar10-demo.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import shutil
@@ -128,6 +129,12 @@ def test_the_decode_cache_is_reused_and_lives_in_the_default_place(tmp_path, mon
     assert_same_set(second, first)
     assert second.source == "cache" and set(second.timings) == {"cache_read_s"}, second.timings
     assert os.listdir(tmp_path / "xdg" / "distlib") == cached
+    # a folder with one file fewer is another data set: decoded again (the garbage is found), not
+    # taken from the cache
+    dogs = os.path.join(root, "train", "dog")
+    os.remove(os.path.join(dogs, sorted(os.listdir(dogs))[0]))
+    with pytest.raises(DataError, match="corrupt or unusable image"):
+        load_image_set(root)
     # without XDG_CACHE_HOME: ~/.cache/distlib; an explicit cache_dir is its own cache (here: decodes again)
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -135,7 +142,35 @@ def test_the_decode_cache_is_reused_and_lives_in_the_default_place(tmp_path, mon
         load_image_set(root)
     with pytest.raises(DataError, match="corrupt or unusable image"):
         load_image_set(root, cache_dir=str(tmp_path / "elsewhere"))
-    os.remove(victim)  # a changed folder (one file fewer) is another data set: decoded, not taken from the cache
+    os.remove(victim)
     again = load_image_set(root)
-    assert again.x_train.shape[0] == first.x_train.shape[0] - 1
+    assert again.x_train.shape[0] == first.x_train.shape[0] - 2
     assert len(os.listdir(tmp_path / "home" / ".cache" / "distlib")) == 1
+
+
+def test_a_rewritten_archive_of_the_same_size_is_decoded_again(tmp_path):
+    """The cache key of an archive follows its size and modification time: the same images with
+    the classes swapped (an archive of the same size) are a new data set."""
+    folder = imagefolder(tmp_path / "f")
+    archive = str(tmp_path / "cifar.tar")
+
+    def write_tar(swap: bool) -> None:
+        with tarfile.open(archive, "w", format=tarfile.USTAR_FORMAT) as tf:
+            for split in ("train", "test"):
+                for cls, src in zip(CLASSES, CLASSES[::-1] if swap else CLASSES):
+                    for k, name in enumerate(sorted(os.listdir(os.path.join(folder, split, src)))):
+                        data = open(os.path.join(folder, split, src, name), "rb").read()
+                        info = tarfile.TarInfo(f"{split}/{cls}/{k}.jpg")
+                        info.size = len(data)
+                        tf.addfile(info, io.BytesIO(data))
+
+    write_tar(swap=False)
+    first = load_image_set(archive, cache_dir=str(tmp_path / "cache"))
+    size, mtime = os.path.getsize(archive), os.stat(archive).st_mtime_ns
+    write_tar(swap=True)
+    os.utime(archive, ns=(mtime + 10**9, mtime + 10**9))  # rewritten a second later
+    assert os.path.getsize(archive) == size
+    second = load_image_set(archive, cache_dir=str(tmp_path / "cache"))
+    assert second.source == "decoded"
+    assert torch.equal(second.x_train, first.x_train.roll(3, 0))  # dog's three images first now
+    assert torch.equal(second.y_train, first.y_train)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from distlib.runner.device_loader import DeviceLoader, cutout, eval_shards, random_crop
+from distlib.runner.device_loader import DeviceLoader, cutout, eval_shards, normalize_stats, random_crop
 
 # ---- DeviceLoader -----------------------------------------------------------------------------
 
@@ -62,6 +63,31 @@ def test_device_loader_without_augmentation_normalizes_exactly():
     assert loader.prepare(x[:3]).shape == (3, 3, 8, 8)
 
 
+def test_normalize_stats_are_the_per_channel_mean_and_std_on_the_0_1_scale():
+    x, _ = image_set(20)
+    x[:, 1] //= 2  # channels of their own means and spreads
+    x[:, 2] = 200 + x[:, 2] // 8
+    pixels = x.numpy().astype(np.float64) / 255
+    mean, std = normalize_stats(x)
+    np.testing.assert_allclose(mean.numpy(), pixels.mean(axis=(0, 2, 3)), rtol=1e-5)
+    np.testing.assert_allclose(std.numpy(), pixels.std(axis=(0, 2, 3), ddof=1), rtol=1e-5)
+
+
+def test_random_flip_is_drawn_for_each_image():
+    x, y = image_set(64)
+    loader = DeviceLoader(x, y, batch_size=32, flip="random")
+    for xb, yb in loader:
+        raw = (xb * loader.std + loader.mean) * 255
+        flipped = []
+        for img, label in zip(raw, yb.tolist()):
+            if torch.allclose(img, x[label].float(), atol=1e-3):
+                flipped.append(False)
+            else:
+                assert torch.allclose(img, x[label].float().flip(2), atol=1e-3)
+                flipped.append(True)
+        assert 0 < sum(flipped) < len(flipped), flipped  # within one batch: some flipped, some not
+
+
 def test_device_loader_shapes_dtype_and_memory_format():
     loader = DeviceLoader(*image_set(32), batch_size=8, crop_pad=4, flip="random", cutout_size=4, channels_last=True)
     xb, yb = next(iter(loader))
@@ -78,26 +104,34 @@ def test_device_loader_refuses_too_few_images_and_wrong_dtype():
 
 
 def test_random_crop_is_a_window_of_the_reflect_padded_image():
-    x = torch.rand(16, 3, 8, 8)
+    x = torch.rand(64, 3, 8, 8)
     out = random_crop(x, 2, torch.Generator().manual_seed(0))
     padded = F.pad(x, (2, 2, 2, 2), mode="reflect")
     offsets = set()
-    for k in range(16):
+    for k in range(64):
         match = [(i, j) for i in range(5) for j in range(5) if torch.equal(out[k], padded[k, :, i : i + 8, j : j + 8])]
         assert match, f"image {k} is not a crop of its padded self"
         offsets.add(match[0])
-    assert len(offsets) > 1  # offsets are drawn per image
+    # offsets are drawn per image, every one of the 2 * pad + 1 in each direction
+    assert {i for i, _ in offsets} == {j for _, j in offsets} == set(range(5)), offsets
     assert random_crop(x, 0) is x
 
 
-def test_cutout_zeroes_one_square_per_image():
+@pytest.mark.parametrize("size", [5, 4])
+def test_cutout_zeroes_one_square_per_image(size):
     x = torch.ones(32, 3, 16, 16)
-    out = cutout(x, 5, torch.Generator().manual_seed(0))
+    out = cutout(x, size, torch.Generator().manual_seed(0))
     zeros = (out == 0).all(1)  # all channels
+    inside = 0
     for k in range(32):
         rows, cols = zeros[k].nonzero(as_tuple=True)
-        assert 0 < len(rows) <= 25
-        assert len(rows) == (rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1)  # one rectangle
+        height, width = rows.max() - rows.min() + 1, cols.max() - cols.min() + 1
+        assert len(rows) == height * width  # one rectangle
+        assert 0 < height <= size and 0 < width <= size  # a square of side size, or the part of it in the image
+        if 0 < rows.min() and rows.max() < 15 and 0 < cols.min() and cols.max() < 15:  # not cut by an edge
+            assert (height, width) == (size, size), (k, height, width)
+            inside += 1
+    assert inside > 0
     assert (out != 0).any(1).equal(~zeros)  # the channels agree
 
 

@@ -15,6 +15,7 @@ import yaml
 from torch.utils.data import DistributedSampler, TensorDataset
 
 import distlib
+from distlib.runner.data import load_image_set
 from distlib.runner.device_loader import DeviceLoader
 from distlib.runner.models import small_cnn
 from tests.conftest import ROOT, free_port, run_ranks
@@ -158,9 +159,33 @@ def test_metrics_rows_hold_the_readme_keys_with_epoch_and_training_time(two_node
     for r in rows:
         assert set(r) == README_METRICS, r
         assert 0 < r["epoch_s"] <= r["train_s"] <= r["elapsed_s"]
+        assert r["images_per_s"] * r["epoch_s"] == pytest.approx(8 * 128, rel=0.1)  # the global batches, all ranks'
     first, last = rows
     assert first["train_s"] == pytest.approx(first["epoch_s"], abs=2e-3)  # training time adds up the epochs
     assert last["train_s"] >= first["train_s"] + last["epoch_s"] - 2e-3  # (and the final evaluation)
+
+
+def test_the_final_accuracy_is_the_saved_models_on_every_test_image(two_nodes, cache_dir):
+    """The last row's test_acc is that of the final checkpoint's model (the ranks' BatchNorm
+    statistics averaged into it before the evaluation) on the 1,000 test images with their mirror
+    images (train.tta), normalized with the training subset's statistics: by hand, on the shards
+    the two ranks evaluated (the same batch shapes)."""
+    out = two_nodes / "node0" / "runs" / "two"
+    _, rows = read_run(out)
+    model = small_cnn(10, 8)
+    model.load_state_dict(
+        torch.load(out / "checkpoints" / "epoch0002-step000000.pt", weights_only=True)["state"]["model"]
+    )
+    model.eval()
+    images = load_image_set(os.path.join(ROOT, "data", "cifar10-demo"), cache_dir=cache_dir)
+    pixels = images.x_train[:1024].float() / 255
+    mean, std = pixels.mean(dim=(0, 2, 3)).view(1, 3, 1, 1), pixels.std(dim=(0, 2, 3)).view(1, 3, 1, 1)
+    correct = 0
+    with torch.no_grad():
+        for rank in (0, 1):
+            x = (images.x_test[rank::2].float() / 255 - mean) / std
+            correct += int(((model(x) + model(x.flip(3))).argmax(1) == images.y_test[rank::2]).sum())
+    assert rows[-1]["test_acc"] == round(correct / 1000, 5), (rows[-1], correct)
 
 
 def test_a_resume_at_another_world_size_continues_with_a_warning(two_nodes, tmp_path, cache_dir):

@@ -17,6 +17,7 @@ from distlib.runner.step import build_step
 from tests.conftest import run_ranks
 
 PER_RANK, FEATURES, CLASSES = 8, 6, 4
+SMOOTHING = 0.1  # train.label_smoothing: the reference's loss smooths its targets alike
 
 
 def _model(device: torch.device) -> nn.Module:
@@ -36,7 +37,7 @@ def _config(mode: str, precision: str, clip: float, world_size: int, device: tor
     cfg = Config()
     cfg.dist.mode = mode
     cfg.train.precision, cfg.train.clip_grad_norm = precision, clip
-    cfg.train.batch_size, cfg.train.label_smoothing = PER_RANK * world_size, 0.0
+    cfg.train.batch_size, cfg.train.label_smoothing = PER_RANK * world_size, SMOOTHING
     cfg.train.cuda_graph = device.type == "cuda"
     return cfg
 
@@ -119,12 +120,12 @@ def _clip_rank(ctx, mode: str) -> list[torch.Tensor]:
 
 
 def _reference(world_size: int, steps: int, device: torch.device) -> tuple[list[torch.Tensor], list[float]]:
-    """One process, the whole global batch, torch's clip_grad_norm_."""
+    """One process, the whole global batch, torch's cross-entropy with label smoothing and clip_grad_norm_."""
     model = _model(device)
     opt = _sgd(model, False)
     norms = []
     for x, y in _batches(steps, world_size):
-        F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+        F.cross_entropy(model(x.to(device)), y.to(device), label_smoothing=SMOOTHING).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()

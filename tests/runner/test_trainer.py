@@ -1,22 +1,42 @@
-"""The Trainer in one process: a resumed run's display starts at the epoch it resumes, and
-its position is a TrainState saved in the checkpoint (clocks once, the loss sum per rank)."""
+"""The Trainer in one process: its steps are a plain torch loop with the recipe's optimizer,
+schedule, loss and data (checked against torch's own SGD, LinearLR and CrossEntropyLoss), its
+evaluations what a hand computation gives; a resumed run's display starts at the epoch it
+resumes, it ends with the rows and weights of an uninterrupted run, and its position is a
+TrainState saved in the checkpoint (clocks once, the loss sum per rank)."""
 
 from __future__ import annotations
 
 import io
+import json
 import os
+import signal
 
 import pytest
 import torch
 from rich.console import Console
+from torch import nn
 
 import distlib
 from distlib.runner.config import load_config
+from distlib.runner.data import load_image_set
+from distlib.runner.device_loader import DeviceLoader
+from distlib.runner.models import small_cnn
 from distlib.runner.trainer import Trainer
 from tests.conftest import ROOT
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SMALL = ["train.epochs=2", "data.train_subset=256", "model.width=4", "run.checkpoint_every=1", "run.progress=plain"]
+DEMO = os.path.join(ROOT, "recipes", "demo.yaml")
+
+
+def metrics(out_dir) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def trajectory(rows: list[dict]) -> list[tuple]:
+    """What must be bit-for-bit equal between runs (timings are not)."""
+    return [(r["epoch"], r["train_loss"], r["test_acc"], r["lr"]) for r in rows]
 
 
 def train(out_dir: str, fit: bool = True) -> tuple[Trainer, list[str]]:
@@ -52,6 +72,7 @@ def test_a_resumed_run_shows_the_epochs_it_trains(tmp_path, world_size_1):
     out = tmp_path / "out"
     first, _ = train(str(out))
     steps = len(first.loader)
+    rows = metrics(out)
     os.unlink(out / "checkpoints" / "epoch0002-step000000.pt")  # as if it had died in epoch 2
 
     resumed, lines = train(str(out))
@@ -60,6 +81,11 @@ def test_a_resumed_run_shows_the_epochs_it_trains(tmp_path, world_size_1):
     assert len(step_lines) == steps, lines
     assert all(line.startswith("epoch 2/2 step ") for line in step_lines), step_lines
     assert step_lines[0].startswith("epoch 2/2 step 1/")
+    # epoch 2's row is written again, once, and is what the first run wrote: the same data order
+    # (the loader is at epoch 2), the same weights and schedule
+    again = metrics(out)
+    assert [r["epoch"] for r in again] == [1, 2] and again[0] == rows[0], again
+    assert trajectory(again) == trajectory(rows)
 
 
 def test_the_train_state_is_saved_typed_and_restored(tmp_path, world_size_1):
@@ -105,3 +131,136 @@ def test_launch_maps_the_outcome_to_one_exit_code_and_tears_down(
         err = capsys.readouterr().err
         assert err.count("error: ") == 1 and said in err, err
     assert closed == [raised]  # the one teardown, told what happened
+
+
+# ---- the training itself, against torch's own pieces ------------------------------------------
+
+# 8 steps an epoch, 24 in all: a 6-step warm-up; weight decay and label smoothing large enough to
+# tell apart where they act; the last epoch is evaluated though 3 is no multiple of eval_every
+RECIPE = ["train.epochs=3", "data.train_subset=1024", "train.batch_size=128", "model.width=4", "train.seed=3",
+          "train.warmup_frac=0.25", "train.weight_decay=0.05", "train.label_smoothing=0.2", "train.eval_every=2",
+          "run.progress=plain"]  # fmt: skip
+
+
+class StepSpy:
+    """The trainer's step, recording the learning rate of every parameter group and the batch
+    each step gets."""
+
+    def __init__(self, trainer: Trainer):
+        self.step, self.optimizer, self.seen = trainer.step_fn, trainer.optimizer, []
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.seen.append(([g["lr"] for g in self.optimizer.param_groups], x.clone(), y.clone()))
+        return self.step(x, y)
+
+    def __getattr__(self, name: str):
+        return getattr(self.step, name)
+
+
+def test_training_is_a_plain_torch_loop_with_the_recipes_settings(tmp_path, world_size_1):
+    cfg = load_config(DEMO, [*RECIPE, f"run.out_dir={tmp_path / 'out'}"])
+    trainer = Trainer(cfg, distlib.init("gloo"))
+    failure = None
+    try:
+        trainer.build()
+        start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        trainer.step_fn = spy = StepSpy(trainer)
+        trainer.progress.console = Console(file=io.StringIO(), force_terminal=False)
+        assert trainer.fit() == 0
+    except BaseException as e:
+        failure = e
+        raise
+    finally:
+        trainer.close(failure)
+    rows = metrics(tmp_path / "out")
+    assert [r["epoch"] for r in rows] == [1, 2, 3]
+
+    # the data: the first 1,024 training images (3 classes), normalized with their own per-channel statistics,
+    # in the order and with the augmentation that train.seed gives
+    images = load_image_set(os.path.join(ROOT, cfg.data.root))
+    x_train, y_train = images.x_train[:1024], images.y_train[:1024]
+    pixels = x_train.double() / 255
+    mean, std = pixels.mean(dim=(0, 2, 3)), pixels.std(dim=(0, 2, 3))
+    torch.testing.assert_close(trainer.loader.mean.flatten().double(), mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(trainer.loader.std.flatten().double(), std, rtol=1e-5, atol=1e-6)
+    loader = DeviceLoader(x_train, y_train, batch_size=128, mean=mean.float(), std=std.float(), crop_pad=4,
+                          flip="random", seed=3)  # fmt: skip
+    expected = [batch for _epoch in range(3) for batch in loader]
+    assert len(spy.seen) == len(expected) == 24
+    for (_, x, y), (x_ref, y_ref) in zip(spy.seen, expected):
+        assert torch.equal(y, y_ref)
+        torch.testing.assert_close(x, x_ref)
+
+    # one process, torch's pieces: SGD with Nesterov momentum, weight decay on the conv and linear
+    # weights only, linear warm-up then linear decay to 0 (LinearLR twice), smoothed cross-entropy
+    model = small_cnn(10, 4)
+    model.load_state_dict(start)
+    decay = [m.weight for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    rest = [p for p in model.parameters() if all(p is not q for q in decay)]
+    opt = torch.optim.SGD([{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}],
+                          lr=0.2, momentum=0.9, nesterov=True)  # fmt: skip
+    schedule = torch.optim.lr_scheduler.SequentialLR(
+        opt, [torch.optim.lr_scheduler.LinearLR(opt, 1 / 6, 1.0, total_iters=5),
+              torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.0, total_iters=18)], milestones=[6],
+    )  # fmt: skip
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=0.2)
+    losses, lrs_after = [], []
+    for k, (lrs, x, y) in enumerate(spy.seen):
+        assert lrs == pytest.approx([opt.param_groups[0]["lr"]] * 2, rel=1e-9), k
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+        losses.append(loss.item())
+        lrs_after.append(opt.param_groups[0]["lr"])
+    assert lrs_after[-1] == 0.0  # decayed to zero at the last step
+    for name, a in trainer.model.state_dict().items():
+        torch.testing.assert_close(a, model.state_dict()[name], msg=name)
+    for row in rows:  # the row's loss is the epoch's mean step loss, its lr the rate after the epoch
+        e = row["epoch"]
+        assert row["train_loss"] == pytest.approx(sum(losses[8 * (e - 1) : 8 * e]) / 8, abs=2e-5), (row, losses)
+        assert row["lr"] == pytest.approx(lrs_after[8 * e - 1], rel=1e-9, abs=1e-12), row
+
+    # evaluated every 2 epochs and after the last; the final evaluation with the mirror images (tta):
+    # the mean over the 1,000 test images of argmax(logits(x) + logits(flip(x))), without augmentation
+    assert rows[0]["test_acc"] is None and rows[1]["test_acc"] is not None
+    net = trainer.model.eval()
+    with torch.no_grad():
+        x = (images.x_test.float() / 255 - trainer.loader.mean) / trainer.loader.std
+        logits = net(x) + net(x.flip(3))
+    assert rows[2]["test_acc"] == round((logits.argmax(1) == images.y_test).double().mean().item(), 5)
+
+
+def _launch_run(out_dir, *overrides: str) -> int:
+    import launch
+
+    return launch.main([DEMO, *RECIPE, "run.checkpoint_every=1", f"run.out_dir={out_dir}", *overrides])
+
+
+def test_a_run_stopped_by_sigterm_mid_epoch_exits_143_and_resumes_to_the_same_rows_and_weights(
+    tmp_path, world_size_1, monkeypatch
+):
+    assert _launch_run(tmp_path / "ref") == 0
+    reference = metrics(tmp_path / "ref")
+
+    step, steps = Trainer.train_step, []
+
+    def signalled_after_11_steps(self, x, y):
+        step(self, x, y)
+        steps.append(1)
+        if len(steps) == 11:  # epoch 2, step 3: the stop comes at the next step's check
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(Trainer, "train_step", signalled_after_11_steps)
+    out = tmp_path / "out"
+    assert _launch_run(out) == 128 + signal.SIGTERM
+    assert sorted(os.listdir(out / "checkpoints")) == ["epoch0001-step000000.pt", "epoch0001-step000003.pt"]
+    assert trajectory(metrics(out)) == trajectory(reference[:1])
+    monkeypatch.undo()
+
+    assert _launch_run(out) == 0  # the same command continues at epoch 2, step 3
+    assert trajectory(metrics(out)) == trajectory(reference)
+    final = "epoch0003-step000000.pt"
+    a, b = (torch.load(d / "checkpoints" / final, weights_only=True)["state"]["model"] for d in (tmp_path / "ref", out))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
