@@ -2,7 +2,8 @@
 schedule, loss and data (checked against torch's own SGD, LinearLR and CrossEntropyLoss), its
 evaluations what a hand computation gives; a resumed run's display starts at the epoch it
 resumes, it ends with the rows and weights of an uninterrupted run, and its position is a
-TrainState saved in the checkpoint (clocks once, the loss sum per rank)."""
+TrainState saved in the checkpoint (clocks once, the loss sum per rank). At two ranks, the
+evaluation averages the ranks' BatchNorm statistics first."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from distlib.runner.data import load_image_set
 from distlib.runner.device_loader import DeviceLoader
 from distlib.runner.models import small_cnn
 from distlib.runner.trainer import Trainer
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_ranks
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SMALL = ["train.epochs=2", "data.train_subset=256", "model.width=4", "run.checkpoint_every=1", "run.progress=plain"]
@@ -264,3 +265,38 @@ def test_a_run_stopped_by_sigterm_mid_epoch_exits_143_and_resumes_to_the_same_ro
     final = "epoch0003-step000000.pt"
     a, b = (torch.load(d / "checkpoints" / final, weights_only=True)["state"]["model"] for d in (tmp_path / "ref", out))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- the evaluation at two ranks -----------------------------------------------------------------
+
+
+def _evaluate_with_each_ranks_own_statistics(ctx, out_dir: str) -> tuple[float, list[torch.Tensor]]:
+    cfg = load_config(DEMO, [*SMALL, f"run.out_dir={out_dir}"])
+    trainer = Trainer(cfg, ctx)
+    failure = None
+    try:
+        trainer.build()
+        norms = [m for m in trainer.model.modules() if isinstance(m, nn.BatchNorm2d)]
+        with torch.no_grad():  # statistics as two ranks' different batches would leave them
+            for i, bn in enumerate(norms):
+                bn.running_mean.fill_(0.1 * i + ctx.rank)
+                bn.running_var.fill_(1.0 + 2 * ctx.rank)
+        acc = trainer.evaluate()
+        return acc, [torch.cat([bn.running_mean, bn.running_var]) for bn in norms]
+    except BaseException as e:
+        failure = e
+        raise
+    finally:
+        trainer.close(failure)
+
+
+def test_evaluate_averages_the_ranks_batchnorm_statistics_first(tmp_path):
+    """Every rank evaluates (and saves) one model: the mean of the ranks' BatchNorm statistics."""
+    (acc0, stats0), (acc1, stats1) = run_ranks(_evaluate_with_each_ranks_own_statistics, 2, str(tmp_path / "out"))
+    assert acc0 == acc1
+    assert len(stats0) == 3
+    for i, (s0, s1) in enumerate(zip(stats0, stats1, strict=True)):
+        half = s0.numel() // 2
+        assert torch.equal(s0, s1)
+        torch.testing.assert_close(s0[:half], torch.full((half,), 0.1 * i + 0.5))
+        torch.testing.assert_close(s0[half:], torch.full((half,), 2.0))
