@@ -252,7 +252,7 @@ class Checkpointer:
         self.directory = directory
         self.keep = keep
         self.is_main = is_main
-        self.last_saved: tuple[int, int] | None = None
+        self.last_saved: tuple[int, int] | None = None  # (epoch, step) of the checkpoint last saved or loaded
 
     def paths(self) -> list[str]:
         """Checkpoint files, newest first (temporary files of an interrupted write are ignored)."""

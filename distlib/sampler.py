@@ -5,7 +5,6 @@ sharding of an IterableDataset over ranks and DataLoader workers."""
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -198,10 +197,3 @@ def _iterable_loader(
     sharded = ShardedIterable(dataset, num_replicas=num_replicas, rank=rank)
     loader = DataLoader(sharded, batch_size=batch_size, drop_last=drop_last, **dataloader_kwargs)
     return EpochLoader(loader, sharded)
-
-
-def shard_size(n: int, num_replicas: int, rank: int, exact: bool) -> int:
-    """How many of ``n`` samples rank ``rank`` sees (exact: no padding)."""
-    if exact:
-        return len(range(rank, n, num_replicas))
-    return math.ceil(n / num_replicas)

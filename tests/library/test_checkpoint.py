@@ -80,16 +80,16 @@ def test_round_trip_restores_model_optimizer_schedule_rng_and_position(tmp_path)
     torch.manual_seed(7)
     np.random.seed(9)
     path = ck.save(objects(model, opt, sched), epoch=2, step=5, global_step=21, fingerprint=fp, extra={"t": 1.5})
-    assert os.path.basename(path) == "epoch0002-step000005.pt"
+    assert os.path.basename(path) == "epoch0002-step000005.pt" and ck.last_saved == (2, 5)
     expected_rand, expected_py, expected_np = torch.rand(3), random.random(), np.random.random(3).tolist()
     reference = {k: v.clone() for k, v in model.state_dict().items()}
     ref_opt = copy.deepcopy(opt.state_dict())
     train_steps(model, opt, sched, 2)  # move everything away from the saved state
 
     m2, o2, s2 = make(seed=1)
-    resumed = Checkpointer(str(tmp_path / "ck")).load(
-        objects(m2, o2, s2), fingerprint=fingerprint(m2, **fp["settings"])
-    )
+    reader = Checkpointer(str(tmp_path / "ck"))
+    resumed = reader.load(objects(m2, o2, s2), fingerprint=fingerprint(m2, **fp["settings"]))
+    assert reader.last_saved == (2, 5)  # the position the loaded checkpoint was saved at
     assert (resumed.epoch, resumed.step, resumed.global_step, resumed.extra) == (2, 5, 21, {"t": 1.5})
     for k, v in m2.state_dict().items():
         assert torch.equal(v, reference[k]), k
