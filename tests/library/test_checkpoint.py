@@ -183,6 +183,16 @@ def test_a_changed_tensor_value_fails_the_checksum(tmp_path):
     open(path, "wb").write(bytes(data))
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         read_verified(path)
+    # a one-element tensor counts too (BatchNorm's num_batches_tracked, a 0-dim step counter)
+    payload = torch.load(path, weights_only=True)
+    payload["checksum"] = checksum(payload)  # valid again: the flipped byte is now the value
+    write_atomic(payload, path)
+    read_verified(path)
+    counter = next(k for k, v in payload["state"]["model"].items() if v.dim() == 0)
+    payload["state"]["model"][counter] += 1
+    write_atomic(payload, path)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        read_verified(path)
 
 
 def test_no_readable_checkpoint_is_a_clear_error(tmp_path):
@@ -232,6 +242,10 @@ def test_a_checkpoint_of_another_format_version_is_refused(tmp_path):
     write_atomic(payload, path)
     with pytest.raises(CheckpointError, match="checkpoint format version 2, expected 1"):
         read_verified(path)
+    # a readable torch file of something else under a checkpoint's name (a bare state_dict)
+    write_atomic(make()[0].state_dict(), path)
+    with pytest.raises(CheckpointError, match=r"epoch0003-step000000\.pt: not a distlib checkpoint"):
+        read_verified(path)
 
 
 def test_resume_loads_when_enabled_and_deletes_the_old_checkpoints_when_not(tmp_path, warnings_of_distlib):
@@ -247,8 +261,10 @@ def test_resume_loads_when_enabled_and_deletes_the_old_checkpoints_when_not(tmp_
 def test_temporary_files_are_not_checkpoints(tmp_path):
     ck, _ = saved_three(tmp_path)
     open(tmp_path / ".tmp-1-abcd-epoch0009-step000000.pt", "wb").write(b"partial")
+    open(tmp_path / "epoch0009-step000000.pt.bak", "wb").write(b"a copy of the user's")  # not ours either
     assert os.path.basename(ck.paths()[0]) == "epoch0003-step000000.pt"
     assert ck.clear() == 3 and ck.paths() == []
+    assert (tmp_path / "epoch0009-step000000.pt.bak").exists()
 
 
 def test_optimizer_state_is_restored_into_the_tensors_it_had(tmp_path):

@@ -229,6 +229,10 @@ def test_flat_views_keep_layout_and_share_memory():
         conv.add_(1.0)  # an optimizer's in-place update of the root...
     replicas.broadcast_parameters()  # ...reaches the replica
     torch.testing.assert_close(replicas.models[1][0].weight, conv)
+    # scatter splits along dim 0, gather concatenates along the dim asked for (metrics per column)
+    t = torch.arange(12.0).reshape(4, 3)
+    assert torch.equal(replicas.gather(replicas.scatter(t)), t)
+    assert torch.equal(replicas.gather([t[:, :1], t[:, 1:]], dim=1), t)
 
 
 def test_bad_input_is_named():

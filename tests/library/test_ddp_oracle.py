@@ -246,9 +246,17 @@ def _freeze_then_unfreeze(step, model, rank):
     return False
 
 
+def _frozen_fc2_and_unused() -> MLP:
+    model = MLP(frozen=True, unused=True)
+    model.unused.requires_grad_(False)
+    return model
+
+
 def _unfreeze(step, model, rank):
     if step == 2:
         model.fc2.requires_grad_(True)  # frozen when GradSync was built
+        if model.unused is not None:
+            model.unused.requires_grad_(True)  # trainable from now on, but no rank uses it: grad stays None
         return True
     return False
 
@@ -281,6 +289,10 @@ def _unused(ctx) -> dict:
     out["frozen at build, unfrozen at step 2"] = _case(
         ctx, lambda: MLP(frozen=True), on_step=_unfreeze, sync_kw=TINY, **unused
     )
+    # unfrozen but used by no rank in that step: grad None, so AdamW's weight decay leaves it alone
+    out["frozen at build, unfrozen at step 2 with an unused layer, AdamW(weight_decay=0.1)"] = _case(
+        ctx, _frozen_fc2_and_unused, opt="adamw", on_step=_unfreeze, sync_kw=TINY, **unused
+    )
     # bf16 compression: the unused parameter still keeps grad None and stays put (AdamW decay aside)
     torch.manual_seed(0)
     model = MLP(unused=True).to(ctx.device)
@@ -297,7 +309,26 @@ def _unused(ctx) -> dict:
     out["bf16"] = {"none": bf16_none, "moved": (model.unused.weight - before).abs().max().item()}
     sync.close()
     out["mismatch"] = _mismatched_freeze(ctx)
+    out["mismatch_lists"] = _differently_frozen(ctx)
     return out
+
+
+def _differently_frozen(ctx) -> str:
+    """Rank 0 freezes unused.weight, rank 1 unused.bias (no rank uses either): both follow the
+    change, compare their lists, and raise naming what is trainable where."""
+    torch.manual_seed(0)
+    model = MLP(unused=True).to(ctx.device)
+    sync = GradSync(model)
+    (model.unused.weight if ctx.rank == 0 else model.unused.bias).requires_grad_(False)
+    x, y = (t.to(ctx.device) for t in _batch(0, ctx.rank, False))
+    F.cross_entropy(model(x), y).backward()
+    try:
+        sync.wait()
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        sync.close()
+    return ""
 
 
 def _mismatched_freeze(ctx) -> str:
@@ -323,6 +354,9 @@ def test_matches_ddp_unused_parameters_and_requires_grad_changes():
     results = run_ranks(_unused, 2)
     bf16 = [res.pop("bf16") for res in results]
     mismatch = [res.pop("mismatch") for res in results]
+    lists = [res.pop("mismatch_lists") for res in results]
+    line = "rank 1: trainable only on rank 0: ['unused.bias']; only on rank 1: ['unused.weight']"
+    assert lists[0] == lists[1] and "requires_grad changed differently" in lists[0] and line in lists[0], lists
     _report(results)
     assert "'fc2.weight' no longer requires grad on this rank but another rank" in mismatch[0], mismatch
     assert "'out.weight' no longer requires grad on this rank but another rank" in mismatch[1], mismatch

@@ -37,6 +37,8 @@ def test_full_environment():
     cpu = torch.device("cpu")
     nodes = [Context(r, r % 4, 8, 4, cpu, "gloo").node_rank for r in range(8)]
     assert nodes == [0, 0, 0, 0, 1, 1, 1, 1]
+    # is_main is global rank 0 only, not the first process of every node
+    assert [Context(r, r % 4, 8, 4, cpu, "gloo").is_main for r in range(8)] == [True] + [False] * 7
 
 
 def test_half_set_names_what_is_missing():
@@ -133,6 +135,10 @@ def test_bad_op_name_is_an_error_even_at_world_size_1(no_torchrun):
         distlib.all_reduce(t, op="avg")
     with pytest.raises(ValueError, match=r"got 'prod'"):
         distlib.reduce(t, op="prod")
+    with pytest.raises(ValueError, match=r"op='mean' needs a floating-point tensor, got torch.int64"):
+        distlib.all_reduce(torch.ones(2, dtype=torch.int64), op="mean")
+    z = torch.ones(2, dtype=torch.complex64)  # complex tensors average like floating-point ones
+    assert distlib.all_reduce(z, op="mean") is z and distlib.reduce(z, op="mean") is z
 
 
 def test_init_with_half_set_environment_fails_before_anything_starts(no_torchrun, monkeypatch):

@@ -1,8 +1,12 @@
-"""describe(): a collective's timeout or lost peer becomes a message; other errors are left alone."""
+"""describe(): a collective's timeout or lost peer becomes a message; other errors are left alone.
+shared_errors(): which rank's error the others raise."""
 
 from __future__ import annotations
 
-from distlib.failures import describe
+import pytest
+
+from distlib import collectives
+from distlib.failures import describe, shared_errors
 
 GLOO_TIMEOUT = "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv"
 NCCL_TIMEOUT = (
@@ -40,3 +44,12 @@ def test_other_errors_are_not_described():
     assert describe(raised("CUDA out of memory"), rank=0, timeout_s=10) is None
     assert describe(raised("the DataLoader timed out"), rank=0, timeout_s=10) is None
     assert describe(ValueError("gloo timed out"), rank=0, timeout_s=10) is None
+
+
+def test_shared_errors_raises_the_first_failing_ranks_error_on_the_others(monkeypatch):
+    """Ranks 1 and 2 of 3 failed, each in its own way; rank 0 (here) raises rank 1's error. The
+    gather's result is given by hand: every rank's outcome, in rank order."""
+    outcomes = [None, (KeyError, "'a' on rank 1"), (ValueError, "b on rank 2")]
+    monkeypatch.setattr(collectives, "all_gather_object", lambda mine: outcomes)
+    with pytest.raises(KeyError, match=r"\(on rank 1\) 'a' on rank 1"), shared_errors(KeyError, ValueError):
+        pass

@@ -108,6 +108,14 @@ def test_srun_uneven_tasks_per_node():
     assert fields(detect(env)) == ("srun", 1, 1, 3, 2)
 
 
+def test_a_step_smaller_than_the_job_ignores_the_jobs_tasks_per_node():
+    # srun --ntasks-per-node=1 in a job of 4 per node, without SLURM_STEP_TASKS_PER_NODE: the job's
+    # SLURM_TASKS_PER_NODE (8 tasks in all) does not describe this step of 2, SLURM_NTASKS_PER_NODE does
+    env = srun_env(1, world=2, per_node=1, SLURM_TASKS_PER_NODE="4(x2)")
+    del env["SLURM_STEP_TASKS_PER_NODE"]
+    assert fields(detect(env)) == ("srun", 1, 0, 2, 1)
+
+
 def test_one_srun_task_is_world_size_1():
     info = detect(srun_env(0, world=1, per_node=1))
     assert fields(info) == ("srun", 0, 0, 1, 1) and info.master_addr is None
@@ -237,6 +245,15 @@ def test_mpirun_half_set_names_what_is_missing():
     del env["OMPI_COMM_WORLD_LOCAL_SIZE"]
     with pytest.raises(EnvError, match=r"OMPI_COMM_WORLD_LOCAL_SIZE missing; start with `mpirun -np N"):
         detect(env)
+
+
+def test_mpirun_out_of_range_names_open_mpis_variables():
+    with pytest.raises(EnvError) as err:
+        detect(ompi(4, 4, 0, 4))
+    assert str(err.value) == "OMPI_COMM_WORLD_RANK=4 must be in [0, OMPI_COMM_WORLD_SIZE=4)"
+    with pytest.raises(EnvError) as err:
+        detect(ompi(0, 2, 0, 4))
+    assert str(err.value) == "OMPI_COMM_WORLD_LOCAL_SIZE=4 must be <= OMPI_COMM_WORLD_SIZE=2"
 
 
 def test_mpirun_inside_a_slurm_job():

@@ -61,3 +61,19 @@ def test_a_handler_attached_by_someone_else_does_not_replace_ours():
         assert sum(isinstance(h, _RankHandler) for h in logger.handlers) == 1
     finally:
         logger.handlers = saved
+
+
+def test_an_application_root_handler_prints_no_line_twice_and_no_information_of_other_ranks(captured):
+    """A script that calls logging.basicConfig() (a handler on the root logger): distlib's lines
+    are printed once, by distlib's handler, so rank 3's information stays silent there too."""
+    logger, handler = captured
+    root = logging.getLogger()
+    app = logging.StreamHandler()  # writes to this test's captured stderr, like basicConfig()
+    root.addHandler(app)
+    try:
+        set_rank(3)
+        logger.info("epoch %d", 1)
+        logger.warning("slow")
+    finally:
+        root.removeHandler(app)
+    assert handler.stream.getvalue() == "[distlib rank 3] WARNING slow\n"
