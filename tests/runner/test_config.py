@@ -33,6 +33,8 @@ def test_defaults_and_run_name_from_recipe(tmp_path):
     assert cfg.run.out_dir == os.path.join("runs", "my_recipe")
     assert load_config(None).run.name == "default"
     assert load_config(write(tmp_path, "")).train.epochs == Config().train.epochs  # an empty recipe: defaults
+    named = load_config(write(tmp_path, "", "my_recipe.yaml"), ["run.name=exp1"])
+    assert named.run.out_dir == os.path.join("runs", "exp1")  # runs/<run.name>, not the recipe's name
 
 
 def test_malformed_yaml(tmp_path):
@@ -80,6 +82,7 @@ def test_misspelt_keys_get_a_guess_and_every_problem_at_once():
         ("train:\n  lr: fast\n", "train.lr: expected float, got 'fast'"),
         ("train:\n  nesterov: 1\n", "train.nesterov: expected bool, got 1"),
         ("data:\n  root: [a, b]\n", "data.root: expected str, got ['a', 'b']"),
+        ("run:\n  name: yes\n", "run.name: expected str, got True"),  # YAML 1.1 reads yes as a bool
         ("dist:\n  backend: mpi\n", "dist.backend: expected one of 'auto', 'nccl', 'gloo', got 'mpi'"),
         ("train: 5\n", "train: expected a mapping of keys, got 5"),
         ("- 1\n- 2\n", "<top level>: expected a mapping of keys, got [1, 2]"),
@@ -119,15 +122,16 @@ def test_precision_fp16_refuses_a_captured_cuda_graph(tmp_path):
 
 def test_several_problems_reported_at_once(tmp_path):
     path = write(tmp_path, "train:\n  epoch: 3\n  lr: fast\nmodel:\n  name: vgg\n")
-    found = problems(path, ["dist.timeout_s=soon", "nonsense"])
-    assert len(found) == 5, found
+    found = problems(path, ["dist.timeout_s=soon", "nonsense", "train.epochs=0"])
+    assert len(found) == 6, found  # the range checks too, beside the type errors
     assert found[0].startswith("train.epoch: unknown key")
     assert found[1] == "train.lr: expected float, got 'fast'"
     assert found[2] == "model.name: expected one of 'resnet18_cifar', 'small_cnn', got 'vgg'"
     assert found[3] == "dist.timeout_s: expected float, got 'soon'"
     assert found[4] == "override 'nonsense': expected dotted.key=value"
+    assert found[5] == "train.epochs: must be > 0, got 0"
     text = str(ConfigError(found))
-    assert text.count("\n  - ") == 5
+    assert text.count("\n  - ") == 6
 
 
 def test_override_coercion():

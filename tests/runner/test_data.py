@@ -46,6 +46,26 @@ def test_imagefolder_is_decoded_to_uint8(tmp_path):
     assert images.x_train.dtype == torch.uint8 and images.x_train.shape == (6, 3, 32, 32)
     assert images.y_train.tolist() == [0, 0, 0, 1, 1, 1] and images.classes == list(CLASSES)
     assert images.x_test.shape == (6, 3, 32, 32)
+    assert images.y_train.dtype == images.y_test.dtype == torch.int64  # what cross_entropy takes as targets
+
+
+def test_train_and_test_of_other_classes_are_named(tmp_path):
+    """A test split with other classes would label its images by the wrong class index."""
+    root = imagefolder(tmp_path / "f")
+    os.rename(os.path.join(root, "test", "dog"), os.path.join(root, "test", "frog"))
+    with pytest.raises(
+        DataError, match=r"train/ and test/ have different classes \(\['cat', 'dog'\] vs \['cat', 'frog'\]\)"
+    ):
+        load_image_set(root, cache_dir=str(tmp_path / "cache"))
+
+
+def test_an_archive_without_a_test_split_is_named(tmp_path):
+    folder = imagefolder(tmp_path / "f", per_class=1)
+    archive = str(tmp_path / "train-only.tar.gz")
+    with tarfile.open(archive, "w:gz") as tf:
+        tf.add(os.path.join(folder, "train"), arcname="train")  # train/ alone: not one top folder to strip
+    with pytest.raises(DataError, match=r"no test/<class>/<image> files"):
+        load_image_set(archive, cache_dir=str(tmp_path / "cache"))
 
 
 @pytest.mark.parametrize("top_folder", [True, False])
@@ -129,6 +149,12 @@ def test_the_decode_cache_is_reused_and_lives_in_the_default_place(tmp_path, mon
     assert_same_set(second, first)
     assert second.source == "cache" and set(second.timings) == {"cache_read_s"}, second.timings
     assert os.listdir(tmp_path / "xdg" / "distlib") == cached
+    # a cache file cut short (a crash of the machine, a full disk) is decoded again, not a crash:
+    # here the decode meets the garbage image
+    cache_file = tmp_path / "xdg" / "distlib" / cached[0]
+    cache_file.write_bytes(cache_file.read_bytes()[:1000])
+    with pytest.raises(DataError, match="corrupt or unusable image"):
+        load_image_set(root)
     # a folder with one file fewer is another data set: decoded again (the garbage is found), not
     # taken from the cache
     dogs = os.path.join(root, "train", "dog")

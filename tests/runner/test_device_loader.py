@@ -44,6 +44,19 @@ def test_device_loader_ranks_disjoint_and_in_step(world):
     assert orders[0] != orders[1]  # a new permutation each epoch
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_step_of_the_ranks_is_one_global_batch_of_one_process(world):
+    """Rank r's batch of step k is the r-th slice of the global batch one process takes at step k
+    with the whole global batch: the ranks together train as that process (train.grad_accum)."""
+    n, batch = 50, 4
+    (whole,) = device_loaders(n, 1, batch * world)
+    ranks = device_loaders(n, world, batch)
+    for _epoch in range(2):
+        per_rank = [[y for _, y in loader] for loader in ranks]
+        for k, (_, y) in enumerate(whole):
+            assert torch.equal(torch.cat([steps[k] for steps in per_rank]), y), (k, world)
+
+
 def test_device_loader_is_deterministic_for_a_seed():
     aug = dict(crop_pad=2, flip="random", cutout_size=3)
     a, b = (DeviceLoader(*image_set(40), batch_size=8, seed=3, **aug) for _ in range(2))
@@ -138,6 +151,7 @@ def test_cutout_zeroes_one_square_per_image(size):
 def test_alternating_flip_flips_each_image_every_other_epoch():
     x, y = image_set(24)
     loader = DeviceLoader(x, y, batch_size=8, flip="alternating")
+    loader.augment_chunk = 5  # augmented in several chunks, as a data set of over 16,384 images is
     mean, std = loader.mean, loader.std
     flipped_per_epoch = []
     for _epoch in range(3):

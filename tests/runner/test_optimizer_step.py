@@ -105,10 +105,11 @@ def _check_skipped_everywhere(ranks: list) -> None:
 CLIP = 0.05
 
 
-def _clip_rank(ctx, mode: str) -> list[torch.Tensor]:
+def _clip_rank(ctx, mode: str, precision: str = "fp32") -> list[torch.Tensor]:
     model = _model(ctx.device)
     cuda = ctx.device.type == "cuda"
-    cfg = _config(mode, "fp32", CLIP, ctx.world_size, ctx.device)
+    cfg = _config(mode, precision, CLIP, ctx.world_size, ctx.device)
+    cfg.train.cuda_graph = cfg.train.cuda_graph and precision != "fp16"
     step = build_step(cfg, ctx, model, _sgd(model, cuda), PER_RANK)
     rows = slice(ctx.rank * PER_RANK, (ctx.rank + 1) * PER_RANK)
     for x, y in _batches(STEPS + 4 if cuda else STEPS, ctx.world_size):  # on a GPU: past warm-up into replays
@@ -119,13 +120,19 @@ def _clip_rank(ctx, mode: str) -> list[torch.Tensor]:
     return _weights(model)
 
 
-def _reference(world_size: int, steps: int, device: torch.device) -> tuple[list[torch.Tensor], list[float]]:
-    """One process, the whole global batch, torch's cross-entropy with label smoothing and clip_grad_norm_."""
+def _reference(
+    world_size: int, steps: int, device: torch.device, precision: str = "fp32"
+) -> tuple[list[torch.Tensor], list[float]]:
+    """One process, the whole global batch, torch's cross-entropy with label smoothing and clip_grad_norm_
+    (fp16: under autocast, unscaled: the clipping sees the true gradient)."""
     model = _model(device)
     opt = _sgd(model, False)
     norms = []
+    autocast = torch.autocast(device.type, dtype=torch.float16, enabled=precision == "fp16")
     for x, y in _batches(steps, world_size):
-        F.cross_entropy(model(x.to(device)), y.to(device), label_smoothing=SMOOTHING).backward()
+        with autocast:
+            out = model(x.to(device)).float()
+        F.cross_entropy(out, y.to(device), label_smoothing=SMOOTHING).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
@@ -139,6 +146,16 @@ def test_clip_grad_norm_clips_the_global_gradient(mode):
     for weights in run_ranks(_clip_rank, 2, mode):
         for a, b in zip(weights, expected):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["process_per_gpu", "fallback"])
+def test_fp16_clips_the_unscaled_gradient(mode):
+    """fp16: the loss scaler's factor (65,536) is taken off before the norm is clipped."""
+    expected, norms = _reference(2, STEPS, torch.device("cpu"), "fp16")
+    assert min(norms) > CLIP * 2, norms
+    for weights in run_ranks(_clip_rank, 2, mode, "fp16"):
+        for a, b in zip(weights, expected):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # fp16 products, summed in another order
 
 
 @pytest.mark.gpus(2)

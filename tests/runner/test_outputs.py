@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -74,6 +75,49 @@ def test_curve_plot_redraws_only_when_due_and_only_on_the_main_rank(tmp_path):
     other_rank.add(rows(1)[0])
     other_rank.write()
     assert not (tmp_path / "no.png").exists()
+
+
+def test_curves_are_redrawn_during_training_at_most_once_a_minute(tmp_path, monkeypatch):
+    from distlib.runner import plots
+
+    clock, drawn = [0.0], []
+    monkeypatch.setattr(plots, "time", SimpleNamespace(monotonic=lambda: clock[0]))  # plots' clock only
+    monkeypatch.setattr(plots, "plot_curves", lambda rows, path, title="": drawn.append((clock[0], len(rows))))
+    plot = CurvePlot(str(tmp_path / "curves.png"))
+    for t, row in zip((30, 61, 62, 100, 121, 122), rows(6)):  # an epoch ends at each of these seconds
+        clock[0] = float(t)
+        plot.add(row)
+    assert drawn == [(61.0, 2), (121.0, 5)]
+
+
+def test_metrics_cut_short_by_a_crash_are_read_up_to_the_cut_and_trimmed_on_resume(tmp_path):
+    from distlib.runner.run_dir import RunDir
+
+    run = RunDir(str(tmp_path / "run"), is_main=True)
+    for row in rows(2):
+        run.log_metrics(row)
+    with open(run.metrics_path, "a") as f:
+        f.write('{"epoch": 3, "train_lo')  # the crash hit inside epoch 3's row
+    assert run.read_metrics() == rows(2)
+    run.start_metrics(1)  # resumed from epoch 1's checkpoint
+    assert open(run.metrics_path).read() == json.dumps(rows(2)[0]) + "\n"
+    other = RunDir(str(tmp_path / "other"), is_main=False)  # another rank: writes nothing
+    other.log_metrics(rows(1)[0])
+    other.start_metrics(0)
+    assert not (tmp_path / "other").exists()
+
+
+def test_nodes_are_the_distinct_hosts_of_the_ranks(monkeypatch):
+    from distlib.runner import environment
+
+    ranks = [{"rank": 0, "hostname": "a"}, {"rank": 1, "hostname": "a"}, {"rank": 2, "hostname": "b"}]
+    monkeypatch.setattr(environment.collectives, "all_gather_object", lambda info: ranks)
+    ctx = distlib.init("gloo")
+    try:
+        env = environment.collect_environment(ctx)
+    finally:
+        distlib.shutdown()
+    assert env["nodes"] == 2 and env["ranks"] == ranks
 
 
 def test_environment_at_world_size_1():

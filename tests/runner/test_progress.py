@@ -58,6 +58,7 @@ def test_plain_mode_prints_one_line_per_epoch_and_a_summary():
     assert summary["final accuracy"] == "0.2500"
     assert summary["best accuracy"] == "0.3000 (epoch 1)"
     assert summary["training time"] == "4.0s"
+    assert summary["time with evaluation"] == "4.6s"  # elapsed_s, not train_s
     assert summary["images/s"] == "1,750"  # 7,000 images over 4 s, not the mean of the rates
     assert summary["world size"] == "2"
     assert not any("\x1b[" in line for line in lines)  # no terminal escapes in log files
@@ -85,6 +86,16 @@ def test_rich_mode_on_a_fake_terminal():
     assert "epoch 3/3" in out and "img/s" in out and "left" in out
     assert "run summary" in out and "best accuracy" in out and "0.3000 (epoch 1)" in out
     assert p._bar is None  # stopped: the cursor is back
+
+
+def test_the_bar_keeps_the_last_accuracy_through_epochs_without_evaluation():
+    clock = FakeClock()
+    p = TrainingProgress("rich", console=Console(file=io.StringIO(), force_terminal=True), clock=clock)
+    p.start(epochs=3, steps_per_epoch=4, images_per_step=100)
+    p.epoch_end(ROWS[0])
+    p.epoch_end(ROWS[1])  # not evaluated
+    assert p._fields(clock())["acc"] == "0.3000"
+    p.close()
 
 
 def test_rich_mode_close_in_finally_restores_the_terminal_after_an_error():

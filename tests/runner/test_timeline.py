@@ -2,6 +2,7 @@
 read from the OS, and that importing the runner pulls in no heavy module it does not need."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -56,6 +57,18 @@ def test_stages_and_headline_figures(tmp_path):
         "teardown",
         "process start to exit",
     ]
+
+
+def test_under_torchrun_the_launchers_lead_is_noted(monkeypatch):
+    """launcher_lead_s: how long torchrun's agent (the parent) ran before this worker started."""
+    from distlib.runner import timeline
+
+    starts = {"self": 1000.0, os.getppid(): 990.5}
+    monkeypatch.setattr(timeline, "_start_time_of", lambda pid: starts[pid])
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert Timeline().summary()["launcher_lead_s"] == 9.5
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert "launcher_lead_s" not in Timeline().summary()  # not under torchrun
 
 
 def test_unknown_total_is_an_error():

@@ -115,6 +115,8 @@ def _launch(tmp_path) -> int:
     [
         (ValueError("a bug of ours"), None, None),  # not hidden as bad input: its traceback, exit 1
         (RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer"), 1, "error: rank 0 lost the conn"),
+        # the recipe's dist.timeout_s (the demo's default: 300) is the one the message names
+        (RuntimeError("[gloo] Timed out waiting 300000ms"), 1, "after 300 s (dist.timeout_s)"),
         (KeyboardInterrupt(), 130, "error: interrupted"),
     ],
 )
@@ -134,6 +136,33 @@ def test_launch_maps_the_outcome_to_one_exit_code_and_tears_down(
     assert closed == [raised]  # the one teardown, told what happened
 
 
+def test_the_error_line_names_the_rank_that_says_it(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from distlib.runner import outcome
+
+    monkeypatch.setattr(outcome, "context", lambda: SimpleNamespace(rank=3))
+    assert outcome.exit_code(RuntimeError("[gloo] Connection reset by peer"), timeout_s=60.0) == 1
+    assert capsys.readouterr().err.startswith("error: rank 3 lost the connection to another rank in a collective")
+
+
+def test_a_checkpoint_must_match_every_key_but_the_documented_free_ones():
+    """docs/reliability.md: the model, train.* (except eval_every, tta, tta_translate, cuda_graph,
+    prewarm_steps), data.augment.* and data.train_subset must match the checkpoint. cudnn_benchmark
+    and compile do not change the weights either, and are free too (the page does not name them)."""
+    import dataclasses
+
+    from distlib.runner.config import Config
+    from distlib.runner.trainer import resume_settings
+
+    cfg = Config()
+    free = {"eval_every", "tta", "tta_translate", "cuda_graph", "prewarm_steps", "cudnn_benchmark", "compile"}
+    expected = {f"model.{f.name}" for f in dataclasses.fields(cfg.model)}
+    expected |= {f"train.{f.name}" for f in dataclasses.fields(cfg.train) if f.name not in free}
+    expected |= {f"data.augment.{f.name}" for f in dataclasses.fields(cfg.data.augment)} | {"data.train_subset"}
+    assert set(resume_settings(cfg)) == expected
+
+
 # ---- the training itself, against torch's own pieces ------------------------------------------
 
 # 8 steps an epoch, 24 in all: a 6-step warm-up; weight decay and label smoothing large enough to
@@ -145,21 +174,25 @@ RECIPE = ["train.epochs=3", "data.train_subset=1024", "train.batch_size=128", "m
 
 class StepSpy:
     """The trainer's step, recording the learning rate of every parameter group and the batch
-    each step gets."""
+    each step gets, and the weight average (train.ema) after it."""
 
     def __init__(self, trainer: Trainer):
         self.step, self.optimizer, self.seen = trainer.step_fn, trainer.optimizer, []
+        self.ema, self.averages = trainer.ema, []
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.seen.append(([g["lr"] for g in self.optimizer.param_groups], x.clone(), y.clone()))
-        return self.step(x, y)
+        loss = self.step(x, y)
+        self.averages.append({k: v.clone() for k, v in self.ema.module.state_dict().items()})
+        return loss
 
     def __getattr__(self, name: str):
         return getattr(self.step, name)
 
 
 def test_training_is_a_plain_torch_loop_with_the_recipes_settings(tmp_path, world_size_1):
-    cfg = load_config(DEMO, [*RECIPE, f"run.out_dir={tmp_path / 'out'}"])
+    # train.ema: the evaluations see the weight average; checkpoints every 2 epochs and at the end
+    cfg = load_config(DEMO, [*RECIPE, "train.ema=0.9", "run.checkpoint_every=2", f"run.out_dir={tmp_path / 'out'}"])
     trainer = Trainer(cfg, distlib.init("gloo"))
     failure = None
     try:
@@ -175,6 +208,10 @@ def test_training_is_a_plain_torch_loop_with_the_recipes_settings(tmp_path, worl
         trainer.close(failure)
     rows = metrics(tmp_path / "out")
     assert [r["epoch"] for r in rows] == [1, 2, 3]
+    assert sorted(os.listdir(tmp_path / "out" / "checkpoints")) == [
+        "epoch0002-step000000.pt",
+        "epoch0003-step000000.pt",
+    ]
 
     # the data: the first 1,024 training images (3 classes), normalized with their own per-channel statistics,
     # in the order and with the augmentation that train.seed gives
@@ -205,6 +242,9 @@ def test_training_is_a_plain_torch_loop_with_the_recipes_settings(tmp_path, worl
               torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.0, total_iters=18)], milestones=[6],
     )  # fmt: skip
     loss_fn = nn.CrossEntropyLoss(label_smoothing=0.2)
+    # the weight average after each optimizer step k (from 0): decay min(0.9, (1 + k) / (10 + k)),
+    # over the float tensors of the state (BatchNorm's counter is copied)
+    average = {k: v.clone() for k, v in start.items()}
     losses, lrs_after = [], []
     for k, (lrs, x, y) in enumerate(spy.seen):
         assert lrs == pytest.approx([opt.param_groups[0]["lr"]] * 2, rel=1e-9), k
@@ -215,6 +255,10 @@ def test_training_is_a_plain_torch_loop_with_the_recipes_settings(tmp_path, worl
         schedule.step()
         losses.append(loss.item())
         lrs_after.append(opt.param_groups[0]["lr"])
+        decay = min(0.9, (1 + k) / (10 + k))
+        for name, w in model.state_dict().items():
+            average[name] = decay * average[name] + (1 - decay) * w if w.is_floating_point() else w.clone()
+            torch.testing.assert_close(spy.averages[k][name], average[name], msg=f"step {k}: {name}")
     assert lrs_after[-1] == 0.0  # decayed to zero at the last step
     for name, a in trainer.model.state_dict().items():
         torch.testing.assert_close(a, model.state_dict()[name], msg=name)
@@ -223,14 +267,17 @@ def test_training_is_a_plain_torch_loop_with_the_recipes_settings(tmp_path, worl
         assert row["train_loss"] == pytest.approx(sum(losses[8 * (e - 1) : 8 * e]) / 8, abs=2e-5), (row, losses)
         assert row["lr"] == pytest.approx(lrs_after[8 * e - 1], rel=1e-9, abs=1e-12), row
 
-    # evaluated every 2 epochs and after the last; the final evaluation with the mirror images (tta):
-    # the mean over the 1,000 test images of argmax(logits(x) + logits(flip(x))), without augmentation
-    assert rows[0]["test_acc"] is None and rows[1]["test_acc"] is not None
-    net = trainer.model.eval()
-    with torch.no_grad():
-        x = (images.x_test.float() / 255 - trainer.loader.mean) / trainer.loader.std
-        logits = net(x) + net(x.flip(3))
-    assert rows[2]["test_acc"] == round((logits.argmax(1) == images.y_test).double().mean().item(), 5)
+    # evaluated every 2 epochs and after the last, the weight average: the mean over the 1,000 test
+    # images, without augmentation, of argmax(logits(x)), and in the final evaluation of
+    # argmax(logits(x) + logits(flip(x))) (tta)
+    assert rows[0]["test_acc"] is None
+    x = (images.x_test.float() / 255 - trainer.loader.mean) / trainer.loader.std
+    after_epoch_2 = small_cnn(10, 4)
+    after_epoch_2.load_state_dict(spy.averages[15])
+    for row, net, views in ((rows[1], after_epoch_2, [x]), (rows[2], trainer.ema.module, [x, x.flip(3)])):
+        with torch.no_grad():
+            logits = sum(net.eval()(v) for v in views)
+        assert row["test_acc"] == round((logits.argmax(1) == images.y_test).double().mean().item(), 5), row
 
 
 def _launch_run(out_dir, *overrides: str) -> int:
