@@ -39,6 +39,9 @@ class ImageSet:
 
 
 _CIFAR_DIR = "cifar-10-batches-py"
+# part of every cache key: raise it when the decoded tensors change (their dtype, layout, order),
+# so that a cache written by an older decoder is never read back
+CACHE_FORMAT = 1
 
 
 def _layout(root: str) -> str:
@@ -53,7 +56,7 @@ def _layout(root: str) -> str:
 
 def _signature(root: str, layout: str) -> str:
     """A cache key that changes when the data on disk changes."""
-    h = hashlib.sha256(os.path.abspath(root).encode())
+    h = hashlib.sha256(f"{CACHE_FORMAT}:{os.path.abspath(root)}".encode())
     if layout == "archive":
         st = os.stat(root)
         h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())

@@ -17,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
+from distlib.runner import data as data_module
 from distlib.runner.data import DataError, load_image_set
 from tests.conftest import ROOT
 
@@ -172,6 +173,10 @@ def test_the_decode_cache_is_reused_and_lives_in_the_default_place(tmp_path, mon
     again = load_image_set(root)
     assert again.x_train.shape[0] == first.x_train.shape[0] - 2
     assert len(os.listdir(tmp_path / "home" / ".cache" / "distlib")) == 1
+    # another cache format (a decoder that writes other tensors) never reads the old file
+    monkeypatch.setattr(data_module, "CACHE_FORMAT", data_module.CACHE_FORMAT + 1)
+    assert load_image_set(root).source == "decoded"
+    assert len(os.listdir(tmp_path / "home" / ".cache" / "distlib")) == 2
 
 
 def test_a_rewritten_archive_of_the_same_size_is_decoded_again(tmp_path):
