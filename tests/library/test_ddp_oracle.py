@@ -405,6 +405,7 @@ def _on_gpus(ctx) -> dict:
     out = {**_basic(ctx), **_unused(ctx), **_uneven(ctx)}
     out.pop("bf16")
     out.pop("mismatch")
+    out.pop("mismatch_lists")
     return out
 
 
