@@ -55,7 +55,7 @@ def _layout(root: str) -> str:
 
 
 def _signature(root: str, layout: str) -> str:
-    """A cache key that changes when the data on disk changes."""
+    """A cache key that changes when the data on disk, or the cache format, changes."""
     h = hashlib.sha256(f"{CACHE_FORMAT}:{os.path.abspath(root)}".encode())
     if layout == "archive":
         st = os.stat(root)

@@ -7,10 +7,12 @@ evaluation averages the ranks' BatchNorm statistics first."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import signal
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -40,22 +42,29 @@ def trajectory(rows: list[dict]) -> list[tuple]:
     return [(r["epoch"], r["train_loss"], r["test_acc"], r["lr"]) for r in rows]
 
 
-def train(out_dir: str, fit: bool = True) -> tuple[Trainer, list[str]]:
-    """One world-size-1 run with a plain line at every step (``fit=False``: build and resume
-    only); returns the trainer and its lines."""
-    cfg = load_config(os.path.join(ROOT, "recipes", "demo.yaml"), [*SMALL, f"run.out_dir={out_dir}"])
-    trainer = Trainer(cfg, distlib.init("gloo"))
+@contextlib.contextmanager
+def built(cfg, ctx: distlib.Context) -> Iterator[Trainer]:
+    """A built Trainer, closed afterwards and told of any failure, as launch.py does."""
+    trainer = Trainer(cfg, ctx)
     failure = None
     try:
         trainer.build()
-        trainer.progress.console = Console(file=io.StringIO(), force_terminal=False)
-        trainer.progress.refresh_s = trainer.progress.plain_every_s = 0.0
-        assert not fit or trainer.fit() == 0
+        yield trainer
     except BaseException as e:
         failure = e
         raise
     finally:
         trainer.close(failure)
+
+
+def train(out_dir: str, fit: bool = True) -> tuple[Trainer, list[str]]:
+    """One world-size-1 run with a plain line at every step (``fit=False``: build and resume
+    only); returns the trainer and its lines."""
+    cfg = load_config(os.path.join(ROOT, "recipes", "demo.yaml"), [*SMALL, f"run.out_dir={out_dir}"])
+    with built(cfg, distlib.init("gloo")) as trainer:
+        trainer.progress.console = Console(file=io.StringIO(), force_terminal=False)
+        trainer.progress.refresh_s = trainer.progress.plain_every_s = 0.0
+        assert not fit or trainer.fit() == 0
     return trainer, trainer.progress.console.file.getvalue().splitlines()
 
 
@@ -148,8 +157,8 @@ def test_the_error_line_names_the_rank_that_says_it(monkeypatch, capsys):
 
 def test_a_checkpoint_must_match_every_key_but_the_documented_free_ones():
     """docs/reliability.md: the model, train.* (except eval_every, tta, tta_translate, cuda_graph,
-    prewarm_steps), data.augment.* and data.train_subset must match the checkpoint. cudnn_benchmark
-    and compile do not change the weights either, and are free too (the page does not name them)."""
+    prewarm_steps, cudnn_benchmark, compile), data.augment.* and data.train_subset must match the
+    checkpoint."""
     import dataclasses
 
     from distlib.runner.config import Config
@@ -193,19 +202,11 @@ class StepSpy:
 def test_training_is_a_plain_torch_loop_with_the_recipes_settings(tmp_path, world_size_1):
     # train.ema: the evaluations see the weight average; checkpoints every 2 epochs and at the end
     cfg = load_config(DEMO, [*RECIPE, "train.ema=0.9", "run.checkpoint_every=2", f"run.out_dir={tmp_path / 'out'}"])
-    trainer = Trainer(cfg, distlib.init("gloo"))
-    failure = None
-    try:
-        trainer.build()
+    with built(cfg, distlib.init("gloo")) as trainer:
         start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
         trainer.step_fn = spy = StepSpy(trainer)
         trainer.progress.console = Console(file=io.StringIO(), force_terminal=False)
         assert trainer.fit() == 0
-    except BaseException as e:
-        failure = e
-        raise
-    finally:
-        trainer.close(failure)
     rows = metrics(tmp_path / "out")
     assert [r["epoch"] for r in rows] == [1, 2, 3]
     assert sorted(os.listdir(tmp_path / "out" / "checkpoints")) == [
@@ -319,10 +320,7 @@ def test_a_run_stopped_by_sigterm_mid_epoch_exits_143_and_resumes_to_the_same_ro
 
 def _evaluate_with_each_ranks_own_statistics(ctx, out_dir: str) -> tuple[float, list[torch.Tensor]]:
     cfg = load_config(DEMO, [*SMALL, f"run.out_dir={out_dir}"])
-    trainer = Trainer(cfg, ctx)
-    failure = None
-    try:
-        trainer.build()
+    with built(cfg, ctx) as trainer:
         norms = [m for m in trainer.model.modules() if isinstance(m, nn.BatchNorm2d)]
         with torch.no_grad():  # statistics as two ranks' different batches would leave them
             for i, bn in enumerate(norms):
@@ -330,11 +328,6 @@ def _evaluate_with_each_ranks_own_statistics(ctx, out_dir: str) -> tuple[float, 
                 bn.running_var.fill_(1.0 + 2 * ctx.rank)
         acc = trainer.evaluate()
         return acc, [torch.cat([bn.running_mean, bn.running_var]) for bn in norms]
-    except BaseException as e:
-        failure = e
-        raise
-    finally:
-        trainer.close(failure)
 
 
 def test_evaluate_averages_the_ranks_batchnorm_statistics_first(tmp_path):
