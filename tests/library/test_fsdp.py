@@ -111,7 +111,7 @@ def _case(ctx, kind: str, accum: int, clip: float) -> dict:
         for k in range(accum):
             last = k == accum - 1
             counts: dict[str, int] = {}
-            with _counting(counts), (contextlib.nullcontext() if last else sync.no_sync()):
+            with _counting(counts), contextlib.nullcontext() if last else sync.no_sync():
                 _loss(model, _batch(ctx.rank, step, k)).div(accum).backward()
             if last:
                 out["synced_reduce_scatters"] += counts.get("reduce_scatter_single", 0) + counts.get(
