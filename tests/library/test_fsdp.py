@@ -276,7 +276,8 @@ def test_captured_step_refuses_a_sharded_model():
 
 
 def _on_gpus(ctx) -> dict:
-    """bf16 mixed precision (fp32 reduce) on NCCL against DDP under bf16 autocast: close, not equal."""
+    """bf16 mixed precision (fp32 reduce) on NCCL against DDP under bf16 autocast: close, not equal
+    (FSDP2 also runs the norms and the logits in bf16). SGD: updates proportional to the gradients."""
     from distlib.fsdp import FSDPSync, shard_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -286,28 +287,27 @@ def _on_gpus(ctx) -> dict:
     ref = _gpt().to(ctx.device)
     _load(ref, start)
     ddp = DDP(ref, device_ids=[ctx.device.index], find_unused_parameters=True)
-    opt = torch.optim.AdamW(_groups(model, 0.1), lr=1e-3)
-    ref_opt = torch.optim.AdamW(_groups(ref, 0.1), lr=1e-3)
+    opt, ref_opt = _optimizer("sgd", model), _optimizer("sgd", ref)
     losses = []
     for step in range(STEPS):
         idx = _batch(ctx.rank, step, 0).to(ctx.device)
         loss = _loss(model, idx)
         loss.backward()
         sync.wait()
-        norm = sync.clip_grad_norm_(1.0)
+        norm = sync.clip_grad_norm_(0.5)
         opt.step()
         opt.zero_grad()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             ref_loss = _loss(ddp, idx)
         ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         ref_opt.step()
         ref_opt.zero_grad()
         losses.append((loss.item(), ref_loss.item(), norm.item(), ref_norm.item()))
     diff = max(_rel(p, model.get_parameter(n).full_tensor()) for n, p in ref.named_parameters())
-    state = sync.model_state_bytes(opt)
+    dtype = str(model.wte.weight.dtype)
     del ddp
-    return {"losses": losses, "diff": diff, "state": state, "dtype": str(model.wte.weight.dtype)}
+    return {"losses": losses, "diff": diff, "dtype": dtype}
 
 
 @pytest.mark.gpus(1)
@@ -329,4 +329,4 @@ def _check_gpu(results: list[dict]) -> None:
         for loss, ref_loss, norm, ref_norm in r["losses"]:
             assert abs(loss - ref_loss) <= 2e-2 * abs(ref_loss), (loss, ref_loss)
             assert abs(norm - ref_norm) <= 5e-2 * ref_norm, (norm, ref_norm)
-        assert r["diff"] <= 5e-2, r["diff"]
+        assert r["diff"] <= 1e-2, r["diff"]
