@@ -173,10 +173,14 @@ def shard_model(
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for block in _blocks_of(model, blocks, block_types):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    # the root: its parameters (embeddings, final norm, a tied output layer) are gathered in forward
-    # and kept until backward, which needs them first
+    units = _blocks_of(model, blocks, block_types)
+    for i, block in enumerate(units):
+        # the last block's parameters stay gathered after its forward: backward starts with them
+        # (torchtitan's default too: one all-gather less per step)
+        keep = i == len(units) - 1
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward and not keep, mp_policy=policy)
+    # the root last (embeddings, final norm, a tied output layer: the parameters outside the blocks);
+    # FSDP2 keeps the root's gathered after forward, as backward needs them first
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     if dist.get_backend() == "gloo":
         # gloo's ReduceOp.AVG reduce-scatter sums (pytorch/pytorch#162338): reduce with SUM and let
