@@ -103,8 +103,9 @@ def _initialise(model: nn.Module, init: Callable[[nn.Module], None] | None, mesh
     rank seeds the same). DTensor has no such RNG on the CPU: each rank draws from its own stream
     (seed + rank), so that no shard repeats another's values."""
     cpu = mesh.device_type == "cpu"
-    torch.manual_seed(seed + (mesh.get_local_rank() if cpu else 0))
-    with warnings.catch_warnings():
+    devices = [] if cpu else [torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=devices), warnings.catch_warnings():  # the caller's RNG state is kept
+        torch.manual_seed(seed + (mesh.get_local_rank() if cpu else 0))
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
         if init is not None:
             init(model)
@@ -114,7 +115,6 @@ def _initialise(model: nn.Module, init: Callable[[nn.Module], None] | None, mesh
             for m in model.modules():
                 if callable(getattr(m, "reset_parameters", None)):
                     m.reset_parameters()
-    torch.manual_seed(seed)  # the caller's later draws (dropout, data order) start the same everywhere
 
 
 def shard_model(
@@ -140,12 +140,14 @@ def shard_model(
     all-gathered just before they run; by default the entries of ``model.blocks`` when there is one.
     ``param_dtype`` / ``reduce_dtype``: FSDP2's mixed precision (compute and gradient
     reduce-scatter dtypes; the sharded master weights keep their dtype). ``reshard_after_forward``:
-    free each block's gathered parameters after its forward (ZeRO-3), or keep them until backward.
+    free each block's gathered parameters after its forward (ZeRO-3; the last block keeps them, as
+    backward starts with it), or keep them until backward.
 
     A meta model is materialised on ``device`` (default: this rank's GPU, else the CPU) shard by
     shard: ``to_empty()``, then the buffers' constructor values, then ``init(model)`` if given,
     else ``model.reset_parameters()``, else every submodule's ``reset_parameters()``, under
-    ``torch.manual_seed(seed)``. Tied parameters stay tied (FSDP2 keeps one shard for them).
+    ``torch.manual_seed(seed)`` (the caller's random state restored after). Tied parameters stay
+    tied (FSDP2 keeps one shard for them).
     """
     device = torch.device(device) if device is not None else _default_device()
     if device.type == "cuda" and device.index is None:
@@ -170,6 +172,8 @@ def shard_model(
         broadcast_module(model)  # the shards each rank keeps come from one model
     # buffers: their constructor values (on the host), put back after to_empty()
     buffers = {n: b.detach().clone() for n, b in model.named_buffers(remove_duplicate=False) if b.device.type != "meta"}
+    if not on_meta:
+        buffers = {}
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

@@ -199,7 +199,9 @@ def _init_checks(ctx) -> dict:
 
     out: dict = {}
     # buffers keep their constructor values through meta init; default reset_parameters per module
+    rng = torch.get_rng_state()
     model = shard_model(_Buffered, block_types=[nn.Linear], device="cpu")
+    out["rng_kept"] = torch.equal(rng, torch.get_rng_state())
     out["mask"] = torch.equal(model.mask, torch.tril(torch.ones(8, 8)) * 3.0)
     out["scale"] = torch.equal(model.scale, torch.arange(8.0))
     out["norm_ones"] = torch.equal(model.norm.weight.full_tensor(), torch.ones(8))
@@ -236,10 +238,12 @@ def _init_checks(ctx) -> dict:
 def test_meta_init_buffers_and_same_weights(world):
     """Built on the meta device: buffers (a non-persistent one too) hold their constructor values,
     parameters their init (no garbage, no shard repeating another); every rank gathers the same
-    model; a model passed built is rank 0's on every rank; bad arguments raise ShardingError."""
+    model; a model passed built is rank 0's on every rank; the caller's random state is kept; bad
+    arguments raise ShardingError."""
     res = run_ranks(_init_checks, world, timeout=240)
     for r in res:
         assert r["mask"] and r["scale"], "a buffer lost its constructor value"
+        assert r["rng_kept"], "shard_model changed the caller's random state"
         assert r["norm_ones"] and r["finite"] and r["shards_differ"]
         assert r["gpt_ln_ones"] and 0.015 < r["gpt_std"] < 0.025, r["gpt_std"]
         assert len(r["errors"]) == 3, r["errors"]
