@@ -12,6 +12,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -212,17 +213,23 @@ class FSDPSync:
     opt.step()``, ``with sync.no_sync():`` for accumulation micro-batches, ``clip_grad_norm_``.
 
     FSDP2 reduce-scatters each block's gradients during backward, and backward returns once they
-    are done: ``wait()`` has nothing left to do. Inside ``no_sync()`` nothing is communicated:
-    gradients accumulate unsharded (the full gradient of every parameter on each rank, as DDP
-    holds) and the next synced backward reduce-scatters the sum.
+    are done: ``wait()`` has nothing left to do. ``accumulate="unsharded"`` (default): inside
+    ``no_sync()`` nothing is communicated, gradients accumulate unsharded (the full gradient of
+    every parameter on each rank, as DDP holds) and the next synced backward reduce-scatters the
+    sum. ``accumulate="sharded"``: every micro-batch is reduce-scattered and only the gradient
+    shards accumulate, for models whose full gradients do not fit (more communication, 1/world of
+    the gradient memory).
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, *, accumulate: Literal["unsharded", "sharded"] = "unsharded"):
         if not isinstance(model, FSDPModule):
             raise ShardingError(
                 f"FSDPSync needs the model returned by distlib.shard_model (fully_shard on its root), got "
                 f"{type(model).__name__}; build it with shard_model(...), or use GradSync for a replicated model"
             )
+        if accumulate not in ("unsharded", "sharded"):
+            raise ShardingError(f"FSDPSync: accumulate must be 'unsharded' or 'sharded', got {accumulate!r}")
+        self.accumulate = accumulate
         self.model = model
         self.world_size = collectives.world_size()
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -233,12 +240,23 @@ class FSDPSync:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients without any reduce-scatter."""
+        """Backward passes inside accumulate gradients without any reduce-scatter (with
+        ``accumulate="sharded"``: reduce-scattered, the shards accumulate)."""
+        if self.accumulate == "sharded":
+            yield
+            return
         self.model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
             self.model.set_requires_gradient_sync(True)
+
+    def join(self) -> contextlib.AbstractContextManager[None]:
+        """Not available: GradSync's ``join()`` for uneven inputs has no counterpart in FSDP2."""
+        raise ShardingError(
+            "FSDPSync has no join(): with full sharding every rank must run the same number of steps "
+            "(distributed_loader pads the shards to equal length unless exact=True)"
+        )
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
