@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from distlib import collectives
 from distlib.errors import DistlibError
+from distlib.log import get_logger
 from distlib.state_broadcast import broadcast_module
 
 __all__ = ["FSDPSync", "ShardingError", "is_fully_sharded", "shard_model"]
@@ -172,13 +173,20 @@ def shard_model(
         model.to(device)
         broadcast_module(model)  # the shards each rank keeps come from one model
     # buffers: their constructor values (on the host), put back after to_empty()
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers(remove_duplicate=False) if b.device.type != "meta"}
-    if not on_meta:
-        buffers = {}
+    buffers = (
+        {}
+        if not on_meta
+        else {n: b.detach().clone() for n, b in model.named_buffers(remove_duplicate=False) if b.device.type != "meta"}
+    )
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     units = _blocks_of(model, blocks, block_types)
+    if not units and world > 1:
+        get_logger().warning(
+            "shard_model: no blocks (no model.blocks, blocks= or block_types=): the whole model is one unit, "
+            "all-gathered whole for forward and backward; name its layers to shard them one by one"
+        )
     for i, block in enumerate(units):
         # the last block's parameters stay gathered after its forward: backward starts with them
         # (torchtitan's default too: one all-gather less per step)
@@ -188,8 +196,9 @@ def shard_model(
     # FSDP2 keeps the root's gathered after forward, as backward needs them first
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     if dist.get_backend() == "gloo":
-        # gloo's ReduceOp.AVG reduce-scatter sums (pytorch/pytorch#162338): reduce with SUM and let
-        # FSDP2 divide by the world size itself, as it does for dtypes at risk of overflow
+        # gloo's ReduceOp.AVG reduce-scatter has silently summed (pytorch/pytorch#162338, open; torch
+        # 2.14 averaged in our tests): reduce with SUM and let FSDP2 divide by the world size itself,
+        # as it does for dtypes at risk of overflow, so that the result does not depend on gloo's AVG
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_force_sum_reduction_for_comms(True)
