@@ -199,11 +199,12 @@ def shard_model(
         # gloo's ReduceOp.AVG reduce-scatter has silently summed (pytorch/pytorch#162338, open; torch
         # 2.14 averaged in our tests): reduce with SUM and let FSDP2 divide by the world size itself,
         # as it does for dtypes at risk of overflow, so that the result does not depend on gloo's AVG
-        fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):  # older torch
-            get_logger().warning("shard_model: this torch cannot force SUM reductions; gloo's AVG is trusted")
-        for m in fsdp_modules if hasattr(FSDPModule, "set_force_sum_reduction_for_comms") else ():
-            m.set_force_sum_reduction_for_comms(True)
+        if hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_force_sum_reduction_for_comms(True)
+        else:  # an older torch
+            get_logger().warning("shard_model: this torch cannot force SUM reductions on gloo; its AVG is trusted")
     if on_meta:
         model.to_empty(device=device)
         named = dict(model.named_buffers(remove_duplicate=False))
