@@ -9,8 +9,9 @@ distlib.shutdown()
 
 Also here: ``Replicas`` (one process drives every GPU of its node), ``CapturedStep`` (a whole
 training step as a CUDA graph), ``EMA`` (a weight average the graph can update), ``Checkpointer``,
-``StopSignal`` (SIGTERM/SIGINT stop every rank at one step boundary), ``Watchdog`` (ends a rank
-that stopped running), ``collectives``, and the errors they raise.
+``shard_model`` and ``FSDPSync`` (full sharding through FSDP2), ``StopSignal`` (SIGTERM/SIGINT stop
+every rank at one step boundary), ``Watchdog`` (ends a rank that stopped running), ``collectives``,
+and the errors they raise.
 """
 
 from distlib import collectives
@@ -29,6 +30,7 @@ from distlib.compile import compile_for_sync
 from distlib.cuda_graph import CapturedStep, CaptureUnsupported
 from distlib.ema import EMA
 from distlib.errors import DistlibError
+from distlib.fsdp import FSDPSync, ShardingError, shard_model
 from distlib.grad_sync import GradSync
 from distlib.log import get_logger
 from distlib.model_check import ModelMismatchError
@@ -50,9 +52,11 @@ __all__ = [
     "EMA",
     "EnvError",
     "ExactDistributedSampler",
+    "FSDPSync",
     "GradSync",
     "ModelMismatchError",
     "Replicas",
+    "ShardingError",
     "StopSignal",
     "Watchdog",
     "all_gather_object",
@@ -66,6 +70,7 @@ __all__ = [
     "get_logger",
     "init",
     "reduce",
+    "shard_model",
     "shutdown",
     "sync_buffers",
 ]

@@ -43,6 +43,18 @@ def capture_problem(device: torch.device, optimizer: torch.optim.Optimizer, grad
     return None
 
 
+def sharding_problem(model: nn.Module) -> str | None:
+    """Why a fully sharded model's step cannot be a CUDA graph, or None for any other model."""
+    from distlib.fsdp import is_fully_sharded  # FSDP2's modules load only when this question comes up
+
+    if is_fully_sharded(model):
+        return (
+            "the model is fully sharded (FSDP2's fully_shard), which does not support CUDA graph capture "
+            "(pytorch/pytorch#164264); train it eagerly (train.cuda_graph=false)"
+        )
+    return None
+
+
 class CapturedStep:
     """One training step replayed as a CUDA graph: ``loss = step(x, y)``.
 
@@ -73,7 +85,7 @@ class CapturedStep:
         post_step: Callable[[], None] | None = None,
     ):
         device = next(model.parameters()).device
-        problem = capture_problem(device, optimizer)
+        problem = sharding_problem(model) or capture_problem(device, optimizer)
         if problem:
             raise CaptureUnsupported(problem)
         if warmup_steps < 1:
@@ -244,7 +256,7 @@ def build_train_step(
     if not enabled:
         return None
     device = next(model.parameters()).device
-    problem = capture_problem(device, optimizer, grad_accum)
+    problem = sharding_problem(model) or capture_problem(device, optimizer, grad_accum)
     if problem:
         get_logger().warning("train.cuda_graph: %s; training eagerly", problem)
         return None
