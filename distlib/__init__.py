@@ -9,6 +9,7 @@ distlib.shutdown()
 
 Also here: ``Replicas`` (one process drives every GPU of its node), ``CapturedStep`` (a whole
 training step as a CUDA graph), ``EMA`` (a weight average the graph can update), ``Checkpointer``,
+``ShardedCheckpointer`` and ``export_checkpoint`` (torch.distributed.checkpoint: per-rank shards),
 ``StopSignal`` (SIGTERM/SIGINT stop every rank at one step boundary), ``Watchdog`` (ends a rank
 that stopped running), ``collectives``, and the errors they raise.
 """
@@ -38,6 +39,16 @@ from distlib.sampler import ExactDistributedSampler, distributed_loader
 from distlib.stop import StopSignal
 from distlib.watchdog import Watchdog
 
+
+def __getattr__(name: str):
+    # torch.distributed.checkpoint adds seconds to the import: loaded when first used
+    if name in ("ShardedCheckpointer", "export_checkpoint"):
+        from distlib import sharded_checkpoint
+
+        return getattr(sharded_checkpoint, name)
+    raise AttributeError(f"module 'distlib' has no attribute {name!r}")
+
+
 __version__ = "0.1.0"  # the one place the version is set (pyproject.toml reads it)
 
 __all__ = [
@@ -53,6 +64,7 @@ __all__ = [
     "GradSync",
     "ModelMismatchError",
     "Replicas",
+    "ShardedCheckpointer",
     "StopSignal",
     "Watchdog",
     "all_gather_object",
@@ -63,6 +75,7 @@ __all__ = [
     "collectives",
     "compile_for_sync",
     "distributed_loader",
+    "export_checkpoint",
     "get_logger",
     "init",
     "reduce",

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
@@ -89,6 +90,18 @@ def model_fingerprint(objects: Mapping[str, Any]) -> dict[str, str]:
     return tensors
 
 
+def _layout(state: Any, prefix: str = "") -> list[Any]:
+    """Every tensor's place, shape and dtype: the host copy an async save keeps must still fit."""
+    if isinstance(state, Mapping):
+        return [x for k, v in state.items() for x in _layout(v, f"{prefix}/{k}")]
+    if isinstance(state, (list, tuple)):
+        return [x for i, v in enumerate(state) for x in _layout(v, f"{prefix}/{i}")]
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return [(prefix, tuple(local.shape), local.dtype, local.device)]
+    return []
+
+
 def _owner(opt: torch.optim.Optimizer, objects: Mapping[str, Any]) -> nn.Module | None:
     """The module among ``objects`` whose parameters ``opt`` steps (DCP's helpers key its state by their names)."""
     first = next((p for g in opt.param_groups for p in g["params"]), None)
@@ -156,6 +169,7 @@ class ShardedCheckpointer:
         self.settings = dict(settings or {})
         self.verify = verify
         self._group: dist.ProcessGroup | None = None
+        self._writer: tuple[dcp.FileSystemWriter, list[Any]] | None = None  # the async writer, for this layout
         self._pending: tuple[int, str, dict[str, Any], threading.Thread | None, dict[str, Any]] | None = None
 
     # ---- directory --------------------------------------------------------------------
@@ -234,8 +248,15 @@ class ShardedCheckpointer:
         writer = dcp.FileSystemWriter(partial)
         files: dict[str, Any] = {}
         if async_:
+            if self._writer is None or self._writer[1] != _layout(state):
+                # reused: on a GPU machine it keeps its pinned host copy of the state between saves (staging then
+                # copies, never allocates); pinning needs CUDA, so on the CPU each save stages into new memory
+                cache = torch.cuda.is_available()
+                self._writer = (dcp.FileSystemWriter(partial, cache_staged_state_dict=cache), _layout(state))
             with _quiet():
-                result = dcp.async_save(state, storage_writer=writer, process_group=self._pg())
+                result = dcp.async_save(
+                    state, checkpoint_id=partial, storage_writer=self._writer[0], process_group=self._pg()
+                )
             future: Future = getattr(result, "upload_completion", result)  # newer torch: AsyncSaveResponse
 
             def finish() -> None:  # the write, then this rank's hashes, off the training thread
@@ -418,3 +439,24 @@ def export_checkpoint(checkpoint_dir: str, path: str) -> str:
     with _quiet():
         dcp_to_torch_save(source, path)
     return source
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m distlib.sharded_checkpoint CHECKPOINT_DIR OUT.pt``: ``export_checkpoint`` from a shell."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m distlib.sharded_checkpoint", description=export_checkpoint.__doc__)
+    p.add_argument("checkpoint_dir", help="a step directory, or the directory a ShardedCheckpointer saved into")
+    p.add_argument("path", help="the torch.save file to write")
+    args = p.parse_args(argv)
+    try:
+        source = export_checkpoint(args.checkpoint_dir, args.path)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.path} from {source}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from distlib import collectives
 from distlib.checkpoint import CheckpointError
-from distlib.sharded_checkpoint import ShardedCheckpointer, export_checkpoint
+from distlib.sharded_checkpoint import ShardedCheckpointer, export_checkpoint, main
 from tests.conftest import _rank_context, _Stdio, _worker, free_port, run_ranks
 
 GLOBAL_BATCH = 8
@@ -273,6 +273,10 @@ def test_export_writes_one_file_a_plain_model_loads(tmp_path):
     assert_states_equal(plain.state_dict(), expected)
     with pytest.raises(CheckpointError, match="no committed sharded checkpoint"):
         export_checkpoint(str(tmp_path), out)
+    os.unlink(out)
+    assert main([str(tmp_path / "ck" / "step000000001"), out]) == 0  # python -m distlib.sharded_checkpoint
+    assert torch.load(out, weights_only=True).keys() == saved.keys()
+    assert main([str(tmp_path / "nothing"), out]) == 2
 
 
 # ---- errors -----------------------------------------------------------------------------------
