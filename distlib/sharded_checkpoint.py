@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -102,8 +104,11 @@ def _layout(state: Any, prefix: str = "") -> list[Any]:
     return []
 
 
-def _owner(opt: torch.optim.Optimizer, objects: Mapping[str, Any]) -> nn.Module | None:
-    """The module among ``objects`` whose parameters ``opt`` steps (DCP's helpers key its state by their names)."""
+def _owner(opt: Any, objects: Mapping[str, Any]) -> nn.Module | None:
+    """The module among ``objects`` whose parameters ``opt`` steps, for DCP's helpers (which key its state by
+    their names); None for an optimizer with a ``state_dict`` format of its own, or stepping other tensors."""
+    if not isinstance(opt, torch.optim.Optimizer) or type(opt).state_dict is not torch.optim.Optimizer.state_dict:
+        return None
     first = next((p for g in opt.param_groups for p in g["params"]), None)
     for obj in objects.values():
         if isinstance(obj, nn.Module) and any(p is first for p in obj.parameters()):
@@ -119,7 +124,7 @@ def _state_dicts(objects: Mapping[str, Any]) -> dict[str, Any]:
     for name, obj in objects.items():
         if isinstance(obj, nn.Module):
             out[name] = get_model_state_dict(obj)
-        elif isinstance(obj, torch.optim.Optimizer) and (model := _owner(obj, objects)) is not None:
+        elif (model := _owner(obj, objects)) is not None:
             out[name] = get_optimizer_state_dict(model, obj)
         elif isinstance(obj, dict):
             out[name] = obj
@@ -138,7 +143,7 @@ def _load_into(objects: Mapping[str, Any], states: Mapping[str, Any]) -> None:
         state = states[name]
         if isinstance(obj, nn.Module):
             set_model_state_dict(obj, state)
-        elif isinstance(obj, torch.optim.Optimizer) and (model := _owner(obj, objects)) is not None:
+        elif (model := _owner(obj, objects)) is not None:
             set_optimizer_state_dict(model, obj, state)
         elif isinstance(obj, dict):
             pass  # DCP loaded into the dict itself
@@ -191,8 +196,8 @@ class ShardedCheckpointer:
     def _pg(self) -> dist.ProcessGroup | None:
         """A gloo group of its own: DCP's planning collectives and the commit barrier run in it, so a
         background save never interleaves with the training's collectives (and works under NCCL)."""
-        if not collectives.active():
-            return None
+        if not (dist.is_available() and dist.is_initialized()):
+            return None  # world size 1 without a process group
         if self._group is None:
             self._group = dist.new_group(backend="gloo")  # a collective: every rank is in save/resume here
         return self._group
@@ -398,7 +403,24 @@ class ShardedCheckpointer:
         except CheckpointError as e:
             error = str(e)
         self._fail_together(error)
-        states = _state_dicts({n: objects[n] for n in objects})
+        saved = dcp.FileSystemReader(found).read_metadata().state_dict_metadata
+        for name, obj in objects.items():
+            if isinstance(obj, dict):  # a plain dict takes the values saved under keys it lacks
+                for fqn, meta in saved.items():
+                    key = fqn[len(name) + 1 :] if fqn.startswith(f"{name}.") else ""
+                    if key and "." not in key and key not in obj and isinstance(meta, BytesStorageMetadata):
+                        obj[key] = None
+        states = _state_dicts(objects)
+        have = set(flatten_state_dict(states)[0])
+        lacking = {n: [k for k in saved if k.startswith(f"{n}.") and k not in have] for n in objects}
+        lacking = {n: keys for n, keys in lacking.items() if keys}
+        if lacking:
+            name, keys = next(iter(lacking.items()))
+            raise CheckpointError(
+                f"{name!r} ({type(objects[name]).__name__}) has no place for {len(keys)} value(s) checkpoint {found} "
+                f"holds ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}): its state_dict() must have "
+                "every key and tensor before resume (create its state first, e.g. as its first step would)"
+            )  # the same on every rank: every rank reads the same .metadata
         error = None
         try:
             with _quiet():

@@ -204,7 +204,7 @@ def _killed_mid_save(ctx, directory: str, where: str):
 
 def _resume_state(ctx, directory: str):
     model, opt, sched = build("fsdp", seed=1)
-    train = {"step": 0}  # a plain dict is loaded in place: the keys it has
+    train = {}  # a plain dict is loaded in place, and gets the keys it lacks
     step = ShardedCheckpointer(directory).resume(objects(model, opt, sched, train))
     return step, train, full_state(model, opt)
 
@@ -326,6 +326,32 @@ def test_a_non_empty_partial_directory_is_refused_and_resume_clears_it(tmp_path)
     assert ck.resume(objects(model, opt, sched, {})) is None
     ck.save(5, objects(model, opt, sched, {}))
     assert os.listdir(tmp_path) == ["step000000005"]
+
+
+class Lazy:
+    """State that exists only after a first step, like a hand-written optimizer's."""
+
+    def __init__(self):
+        self.t: torch.Tensor | None = None
+
+    def state_dict(self) -> dict:
+        return {} if self.t is None else {"t": self.t}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.t = state.get("t")
+
+
+def test_an_object_without_a_place_for_saved_state_is_refused(tmp_path):
+    lazy = Lazy()
+    lazy.t = torch.ones(3)
+    ShardedCheckpointer(str(tmp_path)).save(1, {"lazy": lazy, "train": {"step": 1, "epoch": 0}})
+    train: dict = {}
+    with pytest.raises(CheckpointError, match=r"'lazy' \(Lazy\) has no place for 1 value.*lazy\.t.*before resume"):
+        ShardedCheckpointer(str(tmp_path)).resume({"lazy": Lazy(), "train": train})
+    lazy = Lazy()
+    lazy.t = torch.zeros(3)
+    assert ShardedCheckpointer(str(tmp_path)).resume({"lazy": lazy, "train": train}) == 1
+    assert torch.equal(lazy.t, torch.ones(3)) and train == {"step": 1, "epoch": 0}
 
 
 def test_an_object_without_state_is_refused(tmp_path):
