@@ -66,8 +66,11 @@ def _fsync_dir(path: str) -> None:
 
 
 def _sha256(path: str) -> str:
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        while chunk := f.read(1 << 24):  # hashlib.file_digest is Python 3.11+
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _own_files(directory: str, rank: int) -> dict[str, dict[str, Any]]:
@@ -250,7 +253,6 @@ class ShardedCheckpointer:
             "fingerprint": {"tensors": model_fingerprint(objects), "settings": self.settings},
         }
         state = _state_dicts(objects)
-        writer = dcp.FileSystemWriter(partial)
         files: dict[str, Any] = {}
         if async_:
             if self._writer is None or self._writer[1] != _layout(state):
@@ -277,7 +279,7 @@ class ShardedCheckpointer:
             return
         try:
             with _quiet():
-                dcp.save(state, storage_writer=writer, process_group=self._pg())
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), process_group=self._pg())
             files.update(_own_files(partial, rank))
         except Exception as e:
             files["error"] = f"{type(e).__name__}: {e}"

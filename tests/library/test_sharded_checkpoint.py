@@ -132,6 +132,15 @@ def test_resumes_at_another_world_size_like_the_uninterrupted_run(tmp_path, kind
     assert_states_equal(model, ref_model)
     assert_states_equal(opt, ref_opt)
     assert set(os.listdir(tmp_path)) == {"step000000001", "step000000002"}
+    if kind == "replicated":  # both ranks hold every tensor; DCP writes each once, not once per rank
+        one = tmp_path.parent / f"{tmp_path.name}-one"
+        model, opt, sched = build(kind, seed=0)
+        ShardedCheckpointer(str(one)).save(2, objects(model, opt, sched, {"step": 2}))
+        assert shard_bytes(tmp_path / "step000000002") < 1.2 * shard_bytes(one / "step000000002")
+
+
+def shard_bytes(path) -> int:
+    return sum(f.stat().st_size for f in path.glob("__*.distcp"))
 
 
 def test_async_save_commits_the_state_of_its_step_while_training_continues(tmp_path):
