@@ -179,17 +179,18 @@ def test_keeps_the_newest_committed_checkpoints(tmp_path):
 # ---- kill -9 mid-save -------------------------------------------------------------------------
 
 
-def _killed_mid_save(ctx, directory: str, where: str):
+def _killed_mid_save(ctx, directory: str, where: str, device: str):
     """Save step 1, train, then save step 2 with one rank SIGKILLed inside it (``where``: rank 1 while it
     writes its shards, or rank 0 after every rank wrote, just before its rename commits)."""
-    model, opt, sched = build("fsdp", seed=0)
+    device = device if device == "cpu" else str(ctx.device)
+    model, opt, sched = build("fsdp", seed=0, device=device)
     ck = ShardedCheckpointer(directory, keep=1)  # keep=1: step 1 may go only once step 2 is committed
-    train_step("fsdp", model, opt, sched, 1)
+    train_step("fsdp", model, opt, sched, 1, device)
     ck.save(1, objects(model, opt, sched, {"step": 1}))
     expected = full_state(model, opt)
     if ctx.rank == 0:
         torch.save(expected, os.path.join(directory, "..", "expected.pt"))
-    train_step("fsdp", model, opt, sched, 2)
+    train_step("fsdp", model, opt, sched, 2, device)
     if where == "write" and ctx.rank == 1:
         import torch.distributed.checkpoint as dcp
 
@@ -211,54 +212,47 @@ def _killed_mid_save(ctx, directory: str, where: str):
     raise AssertionError("the save should have failed: a rank was killed")
 
 
-def _resume_state(ctx, directory: str):
-    model, opt, sched = build("fsdp", seed=1)
+def _resume_state(ctx, directory: str, device: str = "cpu"):
+    device = device if device == "cpu" else str(ctx.device)
+    model, opt, sched = build("fsdp", seed=1, device=device)
     train = {}  # a plain dict is loaded in place, and gets the keys it lacks
     step = ShardedCheckpointer(directory).resume(objects(model, opt, sched, train))
     return step, train, full_state(model, opt)
 
 
-@pytest.mark.parametrize("where", ["write", "commit"])
-def test_kill_9_mid_save_leaves_the_previous_checkpoint_to_resume(tmp_path, where):
+def kill_mid_save_then_resume(tmp_path, where: str, backend: str) -> None:
     directory = str(tmp_path / "ck")
     os.makedirs(directory)
-    ctx = _rank_context("forkserver")
+    device = "cpu" if backend == "gloo" else "cuda"
+    ctx = _rank_context("forkserver" if backend == "gloo" else "spawn")
     queue, port = ctx.Queue(), free_port()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(
-                _killed_mid_save,
-                r,
-                2,
-                port,
-                (directory, where),
-                queue,
-                "gloo",
-                20,
-                dict(os.environ),
-                True,
-                _Stdio(),
-            ),
-        )
-        for r in range(2)
-    ]
+    args = ((directory, where, device), queue, backend, 20, dict(os.environ), True, _Stdio())
+    procs = [ctx.Process(target=_worker, args=(_killed_mid_save, r, 2, port, *args)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(60)
+        p.join(90)
     killed = 1 if where == "write" else 0
+    survivor = procs[1 - killed].exitcode
+    for p in procs:
+        if p.is_alive():
+            p.kill()
     assert procs[killed].exitcode == -signal.SIGKILL
-    assert procs[1 - killed].exitcode is not None  # the survivor's collective failed: it did not hang
+    assert survivor is not None  # the survivor's collective failed: it did not hang
     assert ".partial-step000000002" in os.listdir(directory)
     assert [os.path.basename(p) for p in ShardedCheckpointer(directory).paths()] == ["step000000001"]
     expected_model, expected_opt = torch.load(tmp_path / "expected.pt", weights_only=False)
     for world in (2, 1):
-        step, train, (model, opt) = run_ranks(_resume_state, world, directory)[0]
+        step, train, (model, opt) = run_ranks(_resume_state, world, directory, device, backend=backend)[0]
         assert (step, train) == (1, {"step": 1})
         assert_states_equal(model, expected_model)
         assert_states_equal(opt, expected_opt)
     assert os.listdir(directory) == ["step000000001"]  # resume deleted the partial directory
+
+
+@pytest.mark.parametrize("where", ["write", "commit"])
+def test_kill_9_mid_save_leaves_the_previous_checkpoint_to_resume(tmp_path, where):
+    kill_mid_save_then_resume(tmp_path, where, "gloo")
 
 
 # ---- export -----------------------------------------------------------------------------------
@@ -404,6 +398,12 @@ def _resume_then_step_cuda(ctx, kind: str, directory: str):
     assert ShardedCheckpointer(directory).resume(objects(model, opt, sched, train)) == 2
     loss = train_step(kind, model, opt, sched, 3, ctx.device)
     return loss, *full_state(model, opt)
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("where", ["write", "commit"])
+def test_gpu_nccl_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path, where):
+    kill_mid_save_then_resume(tmp_path, where, "nccl")
 
 
 @pytest.mark.gpus(2)
