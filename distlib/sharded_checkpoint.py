@@ -8,7 +8,6 @@ final name is a committed checkpoint. docs/reliability.md.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -17,7 +16,7 @@ import shutil
 import sys
 import threading
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -45,12 +44,9 @@ _NAME = re.compile(r"^step(\d{9})$")
 _PARTIAL = re.compile(r"^\.partial-step(\d{9})$")
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """DCP warns that it runs in one process when there is no process group: world size 1 is meant."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
-        yield
+# DCP warns on every save and load without a process group that it assumes one process: world size 1 is
+# meant. The async save warns from its own thread, where a catch_warnings block would not reach.
+warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)", category=UserWarning)
 
 
 def _step_name(step: int) -> str:
@@ -260,10 +256,9 @@ class ShardedCheckpointer:
                 # copies, never allocates); pinning needs CUDA, so on the CPU each save stages into new memory
                 cache = torch.cuda.is_available()
                 self._writer = (dcp.FileSystemWriter(partial, cache_staged_state_dict=cache), _layout(state))
-            with _quiet():
-                result = dcp.async_save(
-                    state, checkpoint_id=partial, storage_writer=self._writer[0], process_group=self._pg()
-                )
+            result = dcp.async_save(
+                state, checkpoint_id=partial, storage_writer=self._writer[0], process_group=self._pg()
+            )
             future: Future = getattr(result, "upload_completion", result)  # newer torch: AsyncSaveResponse
 
             def finish() -> None:  # the write, then this rank's hashes, off the training thread
@@ -278,8 +273,7 @@ class ShardedCheckpointer:
             self._pending = (step, partial, marker, thread, files)
             return
         try:
-            with _quiet():
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), process_group=self._pg())
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), process_group=self._pg())
             files.update(_own_files(partial, rank))
         except Exception as e:
             files["error"] = f"{type(e).__name__}: {e}"
@@ -425,8 +419,7 @@ class ShardedCheckpointer:
             )  # the same on every rank: every rank reads the same .metadata
         error = None
         try:
-            with _quiet():
-                dcp.load(states, storage_reader=dcp.FileSystemReader(found), process_group=self._pg())
+            dcp.load(states, storage_reader=dcp.FileSystemReader(found), process_group=self._pg())
         except Exception as e:  # a shard DCP cannot read: corrupt bytes that kept their size, a foreign file
             error = (
                 f"checkpoint {found} could not be loaded ({type(e).__name__}: {str(e)[:300]}); "
@@ -460,8 +453,7 @@ def export_checkpoint(checkpoint_dir: str, path: str) -> str:
 
     source = _resolve(checkpoint_dir)
     ShardedCheckpointer(checkpoint_dir)._read_marker(source)
-    with _quiet():
-        dcp_to_torch_save(source, path)
+    dcp_to_torch_save(source, path)
     return source
 
 
