@@ -143,10 +143,12 @@ def shard_bytes(path) -> int:
     return sum(f.stat().st_size for f in path.glob("__*.distcp"))
 
 
-def test_async_save_commits_the_state_of_its_step_while_training_continues(tmp_path):
-    ref_loss, ref_model, ref_opt = run_ranks(_save_then_continue, 2, "fsdp", str(tmp_path / "sync"), False)[0]
-    assert run_ranks(_save_then_continue, 2, "fsdp", str(tmp_path / "async"), True)[0][0] == ref_loss
-    loss, model, opt, _ = run_ranks(_resume_then_step, 2, "fsdp", str(tmp_path / "async"))[0]
+@pytest.mark.parametrize("kind", ["replicated", "fsdp"])
+def test_async_save_commits_the_state_of_its_step_while_training_continues(tmp_path, kind):
+    """The training's collectives (gloo all_reduces, FSDP2's) run while the background save's do."""
+    ref_loss, ref_model, ref_opt = run_ranks(_save_then_continue, 2, kind, str(tmp_path / "sync"), False)[0]
+    assert run_ranks(_save_then_continue, 2, kind, str(tmp_path / "async"), True)[0][0] == ref_loss
+    loss, model, opt, _ = run_ranks(_resume_then_step, 2, kind, str(tmp_path / "async"))[0]
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     assert_states_equal(model, ref_model)
     assert_states_equal(opt, ref_opt)
