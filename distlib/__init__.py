@@ -9,9 +9,10 @@ distlib.shutdown()
 
 Also here: ``Replicas`` (one process drives every GPU of its node), ``CapturedStep`` (a whole
 training step as a CUDA graph), ``EMA`` (a weight average the graph can update), ``Checkpointer``,
-``shard_model`` and ``FSDPSync`` (full sharding through FSDP2), ``StopSignal`` (SIGTERM/SIGINT stop
-every rank at one step boundary), ``Watchdog`` (ends a rank that stopped running), ``collectives``,
-and the errors they raise.
+``shard_model`` and ``FSDPSync`` (full sharding through FSDP2), ``ShardedCheckpointer`` and
+``export_checkpoint`` (torch.distributed.checkpoint: per-rank shards), ``StopSignal`` (SIGTERM/SIGINT
+stop every rank at one step boundary), ``Watchdog`` (ends a rank that stopped running),
+``collectives``, and the errors they raise.
 """
 
 from distlib import collectives
@@ -40,6 +41,16 @@ from distlib.sampler import ExactDistributedSampler, distributed_loader
 from distlib.stop import StopSignal
 from distlib.watchdog import Watchdog
 
+
+def __getattr__(name: str):
+    # torch.distributed.checkpoint adds seconds to the import: loaded when first used
+    if name in ("ShardedCheckpointer", "export_checkpoint"):
+        from distlib import sharded_checkpoint
+
+        return getattr(sharded_checkpoint, name)
+    raise AttributeError(f"module 'distlib' has no attribute {name!r}")
+
+
 __version__ = "0.1.0"  # the one place the version is set (pyproject.toml reads it)
 
 __all__ = [
@@ -56,6 +67,7 @@ __all__ = [
     "GradSync",
     "ModelMismatchError",
     "Replicas",
+    "ShardedCheckpointer",
     "ShardingError",
     "StopSignal",
     "Watchdog",
@@ -67,6 +79,7 @@ __all__ = [
     "collectives",
     "compile_for_sync",
     "distributed_loader",
+    "export_checkpoint",
     "get_logger",
     "init",
     "reduce",

@@ -1,0 +1,418 @@
+"""Sharded checkpoints: resharding (2 -> 1, 2 -> 4; replicated and FSDP2) against the uninterrupted run,
+kill -9 mid-save, asynchronous save, retention, export, and the errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+from distlib import collectives
+from distlib.checkpoint import CheckpointError
+from distlib.sharded_checkpoint import ShardedCheckpointer, export_checkpoint, main
+from tests.conftest import _rank_context, _Stdio, _worker, free_port, run_ranks
+
+GLOBAL_BATCH = 8
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.norm = nn.LayerNorm(width)
+        self.out = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.norm(self.inp(x))))
+
+
+def build(kind: str, seed: int, device: str = "cpu", width: int = 16):
+    """Model (replicated, or FSDP2 per layer then the root), AdamW with a no-decay group, a schedule."""
+    torch.manual_seed(seed)
+    model = Net(width).to(device)
+    if kind == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if not dist.is_initialized():  # world size 1 runs without a process group; FSDP2 needs one
+            dist.init_process_group("gloo" if device == "cpu" else "nccl", store=dist.HashStore(), rank=0, world_size=1)
+        mesh = init_device_mesh(device if device == "cpu" else "cuda", (dist.get_world_size(),))
+        for layer in (model.inp, model.out):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
+    opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=0.01, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9**s)
+    return model, opt, sched
+
+
+def batch(step: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of the global batch of ``step``: the same global batch at every world size."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g)
+    rank, world = collectives.rank(), collectives.world_size()
+    per = GLOBAL_BATCH // world
+    return x[rank * per : (rank + 1) * per].to(device), y[rank * per : (rank + 1) * per].to(device)
+
+
+def train_step(kind: str, model, opt, sched, step: int, device: str = "cpu") -> float:
+    """One step on the global batch; returns its loss (the mean over every rank's samples)."""
+    x, y = batch(step, device)
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    if kind == "replicated":
+        for p in model.parameters():
+            collectives.all_reduce(p.grad, "mean")
+    opt.step()
+    opt.zero_grad()
+    sched.step()
+    return float(collectives.all_reduce(loss.detach().clone(), "mean"))
+
+
+def full_state(model, opt) -> tuple[dict, dict]:
+    """The whole model and optimizer state, on the CPU (a collective; what rank 0 gets)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, opt, options=options)
+
+
+def objects(model, opt, sched, train):
+    return {"model": model, "optimizer": opt, "scheduler": sched, "train": train}
+
+
+def _save_then_continue(ctx, kind: str, directory: str, async_: bool):
+    """Train 2 steps, save at step 2, then step 3 uninterrupted: its loss and the state after it."""
+    model, opt, sched = build(kind, seed=0)
+    train = {"step": 0}
+    ck = ShardedCheckpointer(directory, keep=2)
+    for step in (1, 2):
+        train_step(kind, model, opt, sched, step)
+        train["step"] = step
+        ck.save(step, objects(model, opt, sched, train), async_=async_)
+    loss = train_step(kind, model, opt, sched, 3)  # with async_, runs while step 2's checkpoint is written
+    ck.close()
+    return loss, *full_state(model, opt)
+
+
+def _resume_then_step(ctx, kind: str, directory: str):
+    model, opt, sched = build(kind, seed=1)  # other weights: all must come from the checkpoint
+    train = {"step": -1}
+    step = ShardedCheckpointer(directory).resume(objects(model, opt, sched, train))
+    assert step == 2 and train["step"] == 2, (step, train)
+    lr = opt.param_groups[0]["lr"]
+    loss = train_step(kind, model, opt, sched, 3)
+    return loss, *full_state(model, opt), lr
+
+
+def assert_states_equal(a: dict, b: dict, path: str = "") -> None:
+    assert a.keys() == b.keys(), (path, sorted(a), sorted(b))
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, dict):
+            assert_states_equal(x, y, f"{path}.{k}")
+        elif isinstance(x, torch.Tensor):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7, msg=f"{path}.{k}")
+        else:
+            assert x == y, (f"{path}.{k}", x, y)
+
+
+@pytest.mark.parametrize(
+    "kind,saved_at,resumed_at", [("replicated", 2, 1), ("replicated", 2, 4), ("fsdp", 2, 1), ("fsdp", 2, 4)]
+)
+def test_resumes_at_another_world_size_like_the_uninterrupted_run(tmp_path, kind, saved_at, resumed_at):
+    ref_loss, ref_model, ref_opt = run_ranks(_save_then_continue, saved_at, kind, str(tmp_path), False)[0]
+    loss, model, opt, lr = run_ranks(_resume_then_step, resumed_at, kind, str(tmp_path))[0]
+    assert lr == pytest.approx(0.01 * 0.9**2)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert_states_equal(model, ref_model)
+    assert_states_equal(opt, ref_opt)
+    assert set(os.listdir(tmp_path)) == {"step000000001", "step000000002"}
+    if kind == "replicated":  # both ranks hold every tensor; DCP writes each once, not once per rank
+        one = tmp_path.parent / f"{tmp_path.name}-one"
+        model, opt, sched = build(kind, seed=0)
+        ShardedCheckpointer(str(one)).save(2, objects(model, opt, sched, {"step": 2}))
+        assert shard_bytes(tmp_path / "step000000002") < 1.2 * shard_bytes(one / "step000000002")
+
+
+def shard_bytes(path) -> int:
+    return sum(f.stat().st_size for f in path.glob("__*.distcp"))
+
+
+@pytest.mark.parametrize("kind", ["replicated", "fsdp"])
+def test_async_save_commits_the_state_of_its_step_while_training_continues(tmp_path, kind):
+    """The training's collectives (gloo all_reduces, FSDP2's) run while the background save's do."""
+    ref_loss, ref_model, ref_opt = run_ranks(_save_then_continue, 2, kind, str(tmp_path / "sync"), False)[0]
+    assert run_ranks(_save_then_continue, 2, kind, str(tmp_path / "async"), True)[0][0] == ref_loss
+    loss, model, opt, _ = run_ranks(_resume_then_step, 2, kind, str(tmp_path / "async"))[0]
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert_states_equal(model, ref_model)
+    assert_states_equal(opt, ref_opt)
+
+
+def test_async_save_is_committed_only_by_the_next_save_or_close(tmp_path):
+    model, opt, sched = build("replicated", seed=0)
+    ck = ShardedCheckpointer(str(tmp_path))
+    ck.save(1, objects(model, opt, sched, {}), async_=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # after staging: not in the checkpoint
+    assert ck.paths() == []  # written, perhaps, but not committed before wait/close
+    ck.close()
+    assert [os.path.basename(p) for p in ck.paths()] == ["step000000001"]
+    fresh, fopt, fsched = build("replicated", seed=0)
+    assert ShardedCheckpointer(str(tmp_path)).resume(objects(fresh, fopt, fsched, {})) == 1
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        torch.testing.assert_close(q + 1.0, p, rtol=0, atol=1e-6, msg=name)
+
+
+def test_keeps_the_newest_committed_checkpoints(tmp_path):
+    model, opt, sched = build("replicated", seed=0)
+    ck = ShardedCheckpointer(str(tmp_path), keep=2)
+    for step in range(1, 5):
+        ck.save(step, objects(model, opt, sched, {"step": step}))
+    assert sorted(os.listdir(tmp_path)) == ["step000000003", "step000000004"]
+
+
+# ---- kill -9 mid-save -------------------------------------------------------------------------
+
+
+def _killed_mid_save(ctx, directory: str, where: str, device: str):
+    """Save step 1, train, then save step 2 with one rank SIGKILLed inside it (``where``: rank 1 while it
+    writes its shards, or rank 0 after every rank wrote, just before its rename commits)."""
+    device = device if device == "cpu" else str(ctx.device)
+    model, opt, sched = build("fsdp", seed=0, device=device)
+    ck = ShardedCheckpointer(directory, keep=1)  # keep=1: step 1 may go only once step 2 is committed
+    train_step("fsdp", model, opt, sched, 1, device)
+    ck.save(1, objects(model, opt, sched, {"step": 1}))
+    expected = full_state(model, opt)
+    if ctx.rank == 0:
+        torch.save(expected, os.path.join(directory, "..", "expected.pt"))
+    train_step("fsdp", model, opt, sched, 2, device)
+    if where == "write" and ctx.rank == 1:
+        import torch.distributed.checkpoint as dcp
+
+        def die(self, plan, planner):
+            open(os.path.join(self.path, f"__{ctx.rank}_0.distcp"), "wb").write(b"half a shard")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        dcp.FileSystemWriter.write_data = die
+    if where == "commit" and ctx.rank == 0:
+        replace = os.replace
+
+        def die_before_rename(src, dst):
+            if os.path.basename(dst) == "step000000002":
+                os.kill(os.getpid(), signal.SIGKILL)
+            replace(src, dst)
+
+        os.replace = die_before_rename
+    ck.save(2, objects(model, opt, sched, {"step": 2}))
+    raise AssertionError("the save should have failed: a rank was killed")
+
+
+def _resume_state(ctx, directory: str, device: str = "cpu"):
+    device = device if device == "cpu" else str(ctx.device)
+    model, opt, sched = build("fsdp", seed=1, device=device)
+    train = {}  # a plain dict is loaded in place, and gets the keys it lacks
+    step = ShardedCheckpointer(directory).resume(objects(model, opt, sched, train))
+    return step, train, full_state(model, opt)
+
+
+def kill_mid_save_then_resume(tmp_path, where: str, backend: str) -> None:
+    directory = str(tmp_path / "ck")
+    os.makedirs(directory)
+    device = "cpu" if backend == "gloo" else "cuda"
+    ctx = _rank_context("forkserver" if backend == "gloo" else "spawn")
+    queue, port = ctx.Queue(), free_port()
+    args = ((directory, where, device), queue, backend, 20, dict(os.environ), True, _Stdio())
+    procs = [ctx.Process(target=_worker, args=(_killed_mid_save, r, 2, port, *args)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    killed = 1 if where == "write" else 0
+    survivor = procs[1 - killed].exitcode
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert procs[killed].exitcode == -signal.SIGKILL
+    assert survivor is not None  # the survivor's collective failed: it did not hang
+    assert ".partial-step000000002" in os.listdir(directory)
+    assert [os.path.basename(p) for p in ShardedCheckpointer(directory).paths()] == ["step000000001"]
+    expected_model, expected_opt = torch.load(tmp_path / "expected.pt", weights_only=False)
+    for world in (2, 1):
+        step, train, (model, opt) = run_ranks(_resume_state, world, directory, device, backend=backend)[0]
+        assert (step, train) == (1, {"step": 1})
+        assert_states_equal(model, expected_model)
+        assert_states_equal(opt, expected_opt)
+    assert os.listdir(directory) == ["step000000001"]  # resume deleted the partial directory
+
+
+@pytest.mark.parametrize("where", ["write", "commit"])
+def test_kill_9_mid_save_leaves_the_previous_checkpoint_to_resume(tmp_path, where):
+    kill_mid_save_then_resume(tmp_path, where, "gloo")
+
+
+# ---- export -----------------------------------------------------------------------------------
+
+
+def _save_fsdp(ctx, directory: str):
+    model, opt, sched = build("fsdp", seed=0)
+    train_step("fsdp", model, opt, sched, 1)
+    ShardedCheckpointer(directory).save(1, objects(model, opt, sched, {"step": 1}))
+    return full_state(model, opt)[0]
+
+
+def test_export_writes_one_file_a_plain_model_loads(tmp_path):
+    expected = run_ranks(_save_fsdp, 2, str(tmp_path / "ck"))[0]
+    out = str(tmp_path / "model.pt")
+    assert export_checkpoint(str(tmp_path / "ck"), out).endswith("step000000001")
+    saved = torch.load(out, weights_only=True)
+    assert saved["train"] == {"step": 1} and "optimizer" in saved and "scheduler" in saved
+    plain = Net()
+    plain.load_state_dict(saved["model"])
+    assert_states_equal(plain.state_dict(), expected)
+    with pytest.raises(CheckpointError, match="no committed sharded checkpoint"):
+        export_checkpoint(str(tmp_path), out)
+    os.unlink(out)
+    assert main([str(tmp_path / "ck" / "step000000001"), out]) == 0  # python -m distlib.sharded_checkpoint
+    assert torch.load(out, weights_only=True).keys() == saved.keys()
+    assert main([str(tmp_path / "nothing"), out]) == 2
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+
+def saved_once(tmp_path) -> str:
+    model, opt, sched = build("replicated", seed=0)
+    train_step("replicated", model, opt, sched, 1)
+    ShardedCheckpointer(str(tmp_path)).save(1, objects(model, opt, sched, {"step": 1}))
+    return str(tmp_path / "step000000001")
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_difference(tmp_path):
+    saved_once(tmp_path)
+    model, opt, sched = build("replicated", seed=0, width=32)
+    with pytest.raises(CheckpointError, match=r"(?s)another model.*model\.inp\.weight \(\[16, 8\] float32 in the"):
+        ShardedCheckpointer(str(tmp_path)).resume(objects(model, opt, sched, {}))
+    with pytest.raises(CheckpointError, match=r"(?s)settings.*lr: checkpoint has None, this run has 0.1"):
+        ShardedCheckpointer(str(tmp_path), settings={"lr": 0.1}).resume(objects(*build("replicated", 0), {}))
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "flipped"])
+def test_a_missing_or_corrupt_shard_is_named(tmp_path, damage):
+    path = saved_once(tmp_path)
+    shard = os.path.join(path, "__0_0.distcp")
+    if damage == "missing":
+        os.unlink(shard)
+    elif damage == "truncated":
+        os.truncate(shard, os.path.getsize(shard) // 2)
+    else:
+        with open(shard, "r+b") as f:
+            f.seek(os.path.getsize(shard) - 100)
+            f.write(b"\xff" * 8)
+    words = {"missing": "is missing", "truncated": "bytes, .* were written", "flipped": "sha256 mismatch"}[damage]
+    with pytest.raises(CheckpointError, match=f"(?s){shard}.*{words}.*delete {path}"):
+        ShardedCheckpointer(str(tmp_path)).resume(objects(*build("replicated", 0), {}))
+
+
+def test_a_non_empty_partial_directory_is_refused_and_resume_clears_it(tmp_path):
+    partial = tmp_path / ".partial-step000000005"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"left by an interrupted save")
+    model, opt, sched = build("replicated", seed=0)
+    ck = ShardedCheckpointer(str(tmp_path))
+    with pytest.raises(CheckpointError, match=f"(?s){partial} is not empty.*delete that directory"):
+        ck.save(5, objects(model, opt, sched, {}))
+    assert ck.resume(objects(model, opt, sched, {})) is None
+    ck.save(5, objects(model, opt, sched, {}))
+    assert os.listdir(tmp_path) == ["step000000005"]
+
+
+class Lazy:
+    """State that exists only after a first step, like a hand-written optimizer's."""
+
+    def __init__(self):
+        self.t: torch.Tensor | None = None
+
+    def state_dict(self) -> dict:
+        return {} if self.t is None else {"t": self.t}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.t = state.get("t")
+
+
+def test_an_object_without_a_place_for_saved_state_is_refused(tmp_path):
+    lazy = Lazy()
+    lazy.t = torch.ones(3)
+    ShardedCheckpointer(str(tmp_path)).save(1, {"lazy": lazy, "train": {"step": 1, "epoch": 0}})
+    train: dict = {}
+    with pytest.raises(CheckpointError, match=r"'lazy' \(Lazy\) has no place for 1 value.*lazy\.t.*before resume"):
+        ShardedCheckpointer(str(tmp_path)).resume({"lazy": Lazy(), "train": train})
+    lazy = Lazy()
+    lazy.t = torch.zeros(3)
+    assert ShardedCheckpointer(str(tmp_path)).resume({"lazy": lazy, "train": train}) == 1
+    assert torch.equal(lazy.t, torch.ones(3)) and train == {"step": 1, "epoch": 0}
+
+
+def test_an_object_without_state_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="'loader'.*state_dict"):
+        ShardedCheckpointer(str(tmp_path)).save(1, {"loader": object()})
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpus(1)
+def test_gpu_world_size_1_save_and_reload(tmp_path):
+    model, opt, sched = build("replicated", seed=0, device="cuda")
+    train_step("replicated", model, opt, sched, 1, "cuda")
+    ck = ShardedCheckpointer(str(tmp_path))
+    ck.save(1, objects(model, opt, sched, {"step": 1}), async_=True)
+    expected = full_state(model, opt)
+    loss = train_step("replicated", model, opt, sched, 2, "cuda")
+    ck.close()
+    fresh, fopt, fsched = build("replicated", seed=1, device="cuda")
+    assert ShardedCheckpointer(str(tmp_path)).resume(objects(fresh, fopt, fsched, {})) == 1
+    assert_states_equal(full_state(fresh, fopt)[0], expected[0])
+    assert_states_equal(full_state(fresh, fopt)[1], expected[1])
+    assert train_step("replicated", fresh, fopt, fsched, 2, "cuda") == pytest.approx(loss, rel=1e-6)
+
+
+def _save_then_continue_cuda(ctx, kind: str, directory: str):
+    model, opt, sched = build(kind, seed=0, device=f"cuda:{ctx.local_rank}")
+    ck = ShardedCheckpointer(directory)
+    for step in (1, 2):
+        train_step(kind, model, opt, sched, step, ctx.device)
+        ck.save(step, objects(model, opt, sched, {"step": step}), async_=True)
+    loss = train_step(kind, model, opt, sched, 3, ctx.device)
+    ck.close()
+    return loss, *full_state(model, opt)
+
+
+def _resume_then_step_cuda(ctx, kind: str, directory: str):
+    model, opt, sched = build(kind, seed=1, device=f"cuda:{ctx.local_rank}")
+    train = {"step": 0}
+    assert ShardedCheckpointer(directory).resume(objects(model, opt, sched, train)) == 2
+    loss = train_step(kind, model, opt, sched, 3, ctx.device)
+    return loss, *full_state(model, opt)
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("where", ["write", "commit"])
+def test_gpu_nccl_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path, where):
+    kill_mid_save_then_resume(tmp_path, where, "nccl")
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("kind", ["replicated", "fsdp"])
+def test_gpu_nccl_2_to_1(tmp_path, kind):
+    ref_loss, ref_model, ref_opt = run_ranks(_save_then_continue_cuda, 2, kind, str(tmp_path), backend="nccl")[0]
+    loss, model, opt = run_ranks(_resume_then_step_cuda, 1, kind, str(tmp_path), backend="nccl")[0]
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert_states_equal(model, ref_model)
+    assert_states_equal(opt, ref_opt)
