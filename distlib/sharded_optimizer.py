@@ -1,0 +1,345 @@
+"""Optimizer sharding (ZeRO-1) in GradSync's own buffers: each rank steps its slice of every bucket.
+
+``GradSync(model, shard="optimizer")`` reduce-scatters each bucket into this rank's slice instead
+of all_reducing it; ``sync.sharded_optimizer(torch.optim.AdamW, groups, lr=...)`` steps fp32 copies
+of that slice (views of the parameters themselves when they are fp32) with the torch optimizer,
+then all_gathers the parameters bucket by bucket. Design, memory formula and checkpoint format:
+docs/grad_sync.md ("Optimizer sharding").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from distlib import collectives
+from distlib.errors import DistlibError
+
+if TYPE_CHECKING:
+    from distlib.grad_sync import GradSync
+
+__all__ = ["ShardedOptimizer", "ShardingError"]
+
+# Optimizers whose update of an element reads only that element's parameter, gradient and state:
+# they give the same result on any cut of the parameters into slices.
+_ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Lion")
+
+
+# torch 2.14 renamed the flat-tensor collectives (the old names warn); 2.11 has only the old ones
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ShardingError(DistlibError, ValueError):
+    """The sharded optimizer cannot be built or loaded as asked (the message says what to change)."""
+
+
+# ---- the collectives GradSync calls with shard="optimizer" ------------------------------------
+def reduce_scatter(payload: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> dist.Work:
+    """Start the reduce_scatter of one bucket into this rank's slice of it (in place, as Megatron's
+    buffers do). A collective: every rank calls it for the same buckets in the same order."""
+    c = payload.numel() // dist.get_world_size(group)
+    r = dist.get_rank(group)
+    return _reduce_scatter(payload[r * c : (r + 1) * c], payload, op=op, group=group, async_op=True)
+
+
+def _shards(sync: GradSync) -> list[torch.Tensor]:
+    """This rank's slice of each bucket's gradients."""
+    r, w = collectives.rank(), sync.world_size
+    out = []
+    for b in sync.buckets:
+        c = b.flat.numel() // w
+        out.append(b.flat[r * c : (r + 1) * c])
+    return out
+
+
+@torch.no_grad()
+def reduce_marks(sync: GradSync) -> None:
+    """Sum the used marks over the ranks, with this rank's squared gradient norm as the last element:
+    one small all_reduce per step gives both (the norm for ``clip_grad_norm_`` needs no other
+    collective, and ranks shadowing in ``join()`` issue the same one). Blocking; capturable."""
+    shards = [s for s in _shards(sync) if s.numel()]
+    marks = sync._marks
+    if shards:
+        norms = torch.stack([torch.linalg.vector_norm(s, dtype=torch.float32) for s in shards])
+        marks[-1:].copy_(norms.square().sum())
+    else:
+        marks[-1:].zero_()
+    if sync.world_size > 1:
+        dist.all_reduce(marks)
+
+
+@torch.no_grad()
+def gather_grads(sync: GradSync) -> None:
+    """All_gather every bucket's averaged slice, so that whole gradients are averaged (before the
+    buckets are laid out again). A collective."""
+    if sync.world_size == 1:
+        return
+    for b in sync.buckets:
+        c = b.flat.numel() // sync.world_size
+        r = dist.get_rank()
+        _all_gather(b.flat, b.flat[r * c : (r + 1) * c].clone())
+
+
+@torch.no_grad()
+def clip_shards(sync: GradSync, max_norm: float) -> torch.Tensor:
+    """Clip every rank's gradient slice by the global norm reduced in ``wait()`` (torch's formula)."""
+    sync._clip_max_norm = float(max_norm)  # the ranks shadowing in join() clip alike
+    total = sync._marks[-1].sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    shards = [s for s in _shards(sync) if s.numel()]
+    if shards:
+        torch._foreach_mul_(shards, coef.to(shards[0].dtype))
+    return total
+
+
+@torch.no_grad()
+def shadow_step(sync: GradSync) -> None:
+    """The part of the active ranks' step that a rank shadowing in ``join()`` must mirror: the marks'
+    all_reduce (it used nothing), the clipping they last asked for, its optimizer slice's step and the
+    parameters' all_gathers."""
+    sync._marks.zero_()
+    reduce_marks(sync)
+    opt = sync._sharded_optimizer
+    if opt is None:
+        return
+    marks = sync._marks.tolist()
+    for i, s in enumerate(s for b in sync.buckets for s in b.slots):  # the marks' order
+        s.param.grad = s.view if marks[i] != 0 else None
+    max_norm = getattr(sync, "_clip_max_norm", None)
+    if max_norm is not None:
+        clip_shards(sync, max_norm)
+    opt.step()
+
+
+class _Piece:
+    """One parameter's part of this rank's slice: elements [lo, hi) of the parameter, in its memory order."""
+
+    __slots__ = ("param", "name", "lo", "hi", "pslice", "gslice", "master", "grad32")
+
+    def __init__(self, param, name, lo, hi, pslice, gslice, master, grad32):
+        self.param = param
+        self.name = name
+        self.lo, self.hi = lo, hi
+        self.pslice = pslice  # the parameter's elements in the flat parameter buffer
+        self.gslice = gslice  # the averaged gradient's elements in GradSync's bucket
+        self.master = master  # fp32: pslice itself for fp32 parameters, else an fp32 copy
+        self.grad32 = grad32  # fp32 gradient copy for non-fp32 parameters, else None
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """A torch optimizer that steps only this rank's slice of the parameters (ZeRO-1).
+
+    Built by ``GradSync.sharded_optimizer(optimizer_class, params, **kwargs)`` with the arguments
+    ``optimizer_class`` takes (parameter groups with their own settings included). ``param_groups``
+    are the model's parameters with the resolved settings: LR schedulers change them and each step
+    passes them on to the inner optimizer, built over fp32 views of this rank's slice. The
+    model's trainable parameters become views of one flat buffer per dtype laid out as GradSync's
+    gradient buckets (do not move the model afterwards). ``step()`` is a collective (the bucketed
+    all_gathers of the parameters): every rank calls it after ``sync.wait()``.
+
+    Only elementwise optimizers (SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Lion)
+    give the same result on a slice; others raise ``ShardingError``.
+    """
+
+    def __init__(self, sync: GradSync, optimizer_class: type[torch.optim.Optimizer], params: Iterable, **kwargs):
+        if sync.shard != "optimizer":
+            raise ShardingError(
+                "sharded_optimizer() needs GradSync(model, shard='optimizer'); this GradSync all_reduces "
+                "whole gradients: build a plain torch optimizer instead"
+            )
+        if optimizer_class.__name__ not in _ELEMENTWISE:
+            raise ShardingError(
+                f"{optimizer_class.__name__} is not an elementwise optimizer: a shard of the parameters would "
+                f"step differently; use one of {', '.join(_ELEMENTWISE)} or GradSync(model) without shard"
+            )
+        if sync._sharded_optimizer is not None:
+            raise ShardingError("this GradSync already has a sharded optimizer; build one per GradSync")
+        probe = optimizer_class(params, **kwargs)  # resolves the defaults and checks the settings as torch does
+        trainable = {id(p) for p in sync.model.parameters()}
+        for g in probe.param_groups:
+            for p in g["params"]:
+                if id(p) not in trainable:
+                    raise ShardingError(
+                        "sharded_optimizer() got a parameter that is not one of the model's; pass the "
+                        "GradSync model's parameters (or groups of them)"
+                    )
+        super().__init__([dict(g) for g in probe.param_groups], probe.defaults)
+        del probe
+        self.sync = sync
+        self._class = optimizer_class
+        self._kwargs = kwargs
+        self._inner: torch.optim.Optimizer | None = None
+        self._pieces: list[_Piece] = []
+        self._pstores: dict[torch.dtype, torch.Tensor] = {}
+        self._extra: list[torch.Tensor] = []  # fp32 masters and gradient copies of non-fp32 slices
+        self._version = -1
+        sync._sharded_optimizer = self
+        self._build(None)
+
+    # ---- layout ------------------------------------------------------------------------------
+    def _ranges(self, rank: int) -> dict[int, tuple[int, int, int]]:
+        """id(param) -> (storage offset of its first element in rank's slice, lo, hi) for rank."""
+        w, out = self.sync.world_size, {}
+        for b in self.sync.buckets:
+            start, c = b.flat.storage_offset(), b.flat.numel() // w
+            a0, z0 = start + rank * c, start + (rank + 1) * c
+            for s in b.slots:
+                off, n = s.view.storage_offset(), s.param.numel()
+                a, z = max(off, a0), min(off + n, z0)
+                if a < z:
+                    out[id(s.param)] = (a, a - off, z - off)
+        return out
+
+    @torch.no_grad()
+    def _build(self, full: dict[int, dict[str, torch.Tensor]] | None) -> None:
+        """Lay the parameters out as GradSync's buckets, cut this rank's pieces, build the inner
+        optimizer; ``full`` (whole fp32 masters and states by id(param)) fills them after a relayout."""
+        sync = self.sync
+        self._version = sync.layout_version
+        grads = {st.dtype: st for st in sync._storages}
+        self._pstores = {dt: torch.zeros_like(st) for dt, st in grads.items()}
+        for s in sync._slots:  # every trainable parameter becomes a view of the flat parameter buffer
+            v = s.view
+            pv = self._pstores[v.dtype].as_strided(v.shape, v.stride(), v.storage_offset())
+            pv.copy_(s.param.detach())
+            s.param.data = pv
+        names = sync._names
+        ranges = self._ranges(collectives.rank())
+        self._pieces, self._extra = [], []
+        for s in (s for b in sync.buckets for s in b.slots):
+            if id(s.param) not in ranges:
+                continue
+            a, lo, hi = ranges[id(s.param)]
+            dt = s.view.dtype
+            pslice = self._pstores[dt][a : a + hi - lo]
+            gslice = grads[dt][a : a + hi - lo]
+            if dt == torch.float32:
+                master, grad32 = pslice, None
+            else:
+                master, grad32 = pslice.float(), torch.zeros(hi - lo, dtype=torch.float32, device=pslice.device)
+                self._extra += [master, grad32]
+            self._pieces.append(_Piece(s.param, names.get(id(s.param), "?"), lo, hi, pslice, gslice, master, grad32))
+        by_param = {id(pc.param): pc for pc in self._pieces}
+        groups = []
+        for g in self.param_groups:
+            inner = {k: v for k, v in g.items() if k != "params"}
+            inner["params"] = [by_param[id(p)].master for p in g["params"] if id(p) in by_param]
+            groups.append(inner)
+        self._inner = None
+        if any(g["params"] for g in groups):
+            self._inner = self._class(groups, **self._kwargs)
+        if full:
+            for pc in self._pieces:
+                saved = full.get(id(pc.param))
+                if not saved:
+                    continue
+                if "master" in saved and pc.grad32 is not None:
+                    pc.master.copy_(saved["master"][pc.lo : pc.hi])
+                    pc.pslice.copy_(pc.master)
+                state = self._inner.state[pc.master]
+                for k, t in saved.items():
+                    if k != "master":
+                        state[k] = t[pc.lo : pc.hi].clone() if t.dim() == 1 else t.clone()
+
+    @torch.no_grad()
+    def _full_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Whole fp32 masters and optimizer states of every parameter, summed over the ranks' pieces
+        (a collective, for a new bucket layout: rare)."""
+        local = {}
+        for pc in self._pieces:
+            st = self._inner.state.get(pc.master, {}) if self._inner is not None else {}
+            spec = {k: (t.dim() == 1, str(t.dtype).removeprefix("torch.")) for k, t in st.items() if torch.is_tensor(t)}
+            if pc.grad32 is not None:
+                spec["master"] = (True, "float32")
+            local[pc.name] = spec
+        specs: dict[str, dict] = {}
+        for other in collectives.all_gather_object(local):
+            for name, spec in other.items():
+                specs.setdefault(name, {}).update(spec)
+        params = {n: p for n, p in self.sync.model.named_parameters()}
+        pieces = {pc.name: pc for pc in self._pieces}
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for name in sorted(specs):
+            p, pc = params[name], pieces.get(name)
+            st = self._inner.state.get(pc.master, {}) if pc is not None and self._inner is not None else {}
+            entry = {}
+            for key, (vec, dtype) in sorted(specs[name].items()):
+                dt = getattr(torch, dtype)
+                if vec:
+                    t = torch.zeros(p.numel(), dtype=dt, device=p.device)
+                    if pc is not None:
+                        t[pc.lo : pc.hi] = pc.master if key == "master" else st[key]
+                    if self.sync.world_size > 1:
+                        dist.all_reduce(t)
+                else:
+                    src = st.get(key) if pc is not None else None
+                    t = src.clone() if src is not None else torch.zeros((), dtype=dt, device=p.device)
+                    if self.sync.world_size > 1:
+                        dev = t.device
+                        t = t.to(p.device)
+                        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the same on every rank that has it
+                        t = t.to(dev)
+                entry[key] = t
+            out[id(p)] = entry
+        return out
+
+    # ---- the step ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102 (torch.optim.Optimizer.step)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._version != self.sync.layout_version:  # requires_grad changed: GradSync laid out new buckets
+            self._build(self._full_state())  # the old pieces still hold the masters and states
+        self._inner_step()
+        self._gather_params()
+        return loss
+
+    def _inner_step(self) -> None:
+        if self._inner is None:
+            return
+        for g, inner in zip(self.param_groups, self._inner.param_groups):
+            for k, v in g.items():
+                if k != "params":
+                    inner[k] = v  # LR schedulers change the outer groups
+        dsts, srcs = [], []
+        for pc in self._pieces:
+            if pc.param.grad is None:  # no rank used it: skipped, as torch's optimizers skip it
+                pc.master.grad = None
+            elif pc.grad32 is None:
+                pc.master.grad = pc.gslice
+            else:
+                dsts.append(pc.grad32)
+                srcs.append(pc.gslice)
+                pc.master.grad = pc.grad32
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        self._inner.step()
+        low = [pc for pc in self._pieces if pc.grad32 is not None]
+        if low:
+            torch._foreach_copy_([pc.pslice for pc in low], [pc.master for pc in low])
+
+    @torch.no_grad()
+    def _gather_params(self) -> None:
+        """Every rank's updated slice to every rank: one async all_gather per bucket, in bucket order,
+        round-robin over the communicators (as the reduce_scatters)."""
+        sync = self.sync
+        if sync.world_size == 1:
+            return
+        r, w = dist.get_rank(), sync.world_size
+        works = []
+        for b in sync.buckets:
+            start, n = b.flat.storage_offset(), b.flat.numel()
+            flat = self._pstores[b.flat.dtype][start : start + n]
+            c = n // w
+            group = None
+            if sync.comm_groups > 1:
+                group = collectives.comm_groups(sync.comm_groups)[b.index % sync.comm_groups]
+            works.append(_all_gather(flat, flat[r * c : (r + 1) * c], group=group, async_op=True))
+        for work in works:
+            work.wait()
