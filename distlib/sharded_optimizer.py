@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from distlib import collectives
 from distlib.errors import DistlibError
@@ -343,3 +346,134 @@ class ShardedOptimizer(torch.optim.Optimizer):
             works.append(_all_gather(flat, flat[r * c : (r + 1) * c], group=group, async_op=True))
         for work in works:
             work.wait()
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    @torch.no_grad()
+    def _init_state(self) -> None:
+        """Give every piece its state (a step with zero gradients and lr 0, then the counters
+        reset), so that a checkpoint can be loaded into it: as torch's get_optimizer_state_dict does.
+        A state made so steps as a fresh one (zero moments, step 0)."""
+        if self._inner is None:
+            return
+        fresh = [pc for pc in self._pieces if not self._inner.state.get(pc.master)]
+        if not fresh:
+            return
+        kept = [pc.master.grad for pc in self._pieces]
+        for pc in self._pieces:
+            pc.master.grad = torch.zeros_like(pc.master) if pc in fresh else None
+        lrs = [g["lr"] for g in self._inner.param_groups]
+        for g in self._inner.param_groups:
+            g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+        self._inner.step()
+        for g, lr in zip(self._inner.param_groups, lrs):
+            g["lr"] = lr
+        for pc, grad in zip(self._pieces, kept):
+            pc.master.grad = grad
+        for pc in fresh:
+            state = self._inner.state[pc.master]
+            if torch.is_tensor(state.get("step")):
+                state["step"].zero_()
+            if torch.is_tensor(state.get("mu_product")):  # NAdam's running product starts at 1
+                state["mu_product"].fill_(1.0)
+
+    def _sharded(self, pc: _Piece, t: torch.Tensor, ranges: list[dict]) -> ShardedTensor | torch.Tensor:
+        """``t`` (this rank's elements [lo, hi) of the parameter) as a ShardedTensor of the parameter's
+        flat size: the metadata lists every rank's range, computed here (no communication)."""
+        if len(ranges) == 1:  # world size 1 (maybe without a process group): the whole tensor, as DCP saves it
+            return t
+        me = collectives.rank()
+        metas, local = [], None
+        for q, rq in enumerate(ranges):
+            if id(pc.param) not in rq:
+                continue
+            _, lo, hi = rq[id(pc.param)]
+            dev = t.device if q == me or t.device.type == "cpu" else torch.device(t.device.type, 0)
+            metas.append(ShardMetadata([lo], [hi - lo], f"rank:{q}/{dev}"))
+            if q == me:
+                local = metas[-1]
+        props = TensorProperties(dtype=t.dtype, layout=t.layout, requires_grad=False)
+        meta = ShardedTensorMetadata(metas, torch.Size([pc.param.numel()]), props)
+        return ShardedTensor._init_from_local_shards_and_global_metadata([Shard(t, local)], meta)
+
+    def state_dict(self) -> dict:
+        """The optimizer state in a form torch.distributed.checkpoint saves from every rank and loads
+        at another world size: ``{"state": {name: {key: ...}}, "param_groups": [...]}`` keyed by
+        parameter name; each per-element state (and the fp32 master of a non-fp32 parameter, under
+        "master") is a ShardedTensor of the parameter's flat size whose local shard is this rank's
+        range, the very tensor the optimizer steps (``dcp.load`` fills it in place). Scalars (step)
+        are plain tensors, the same on every rank that holds a piece."""
+        self._init_state()
+        ranges = [self._ranges(q) for q in range(self.sync.world_size)]
+        state = {}
+        for pc in self._pieces:
+            items = list(self._inner.state[pc.master].items())
+            if pc.grad32 is not None:
+                items.append(("master", pc.master))
+            entry = {}
+            for k, t in items:
+                vec = torch.is_tensor(t) and t.dim() == 1 and t.numel() == pc.hi - pc.lo
+                entry[k] = self._sharded(pc, t, ranges) if vec else t
+            state[pc.name] = entry
+        names = self.sync._names
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+            for g in self.param_groups
+        ]
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what ``state_dict()`` gave, after ``dcp.load`` filled it (at any world size), or a
+        state_dict of this same layout. The groups' settings (lr, ...) are taken by position."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ShardingError(
+                f"the checkpoint has {len(groups)} parameter groups, this optimizer {len(self.param_groups)}; "
+                "build the optimizer with the same groups as the run that saved it"
+            )
+        self._init_state()
+        for g, saved in zip(self.param_groups, groups):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        for pc in self._pieces:
+            saved = state_dict["state"].get(pc.name)
+            if saved is None:
+                continue
+            state = self._inner.state[pc.master]
+            for k, v in saved.items():
+                target = pc.master if k == "master" else state.get(k)
+                if isinstance(v, ShardedTensor):
+                    shards = v.local_shards()
+                    meta = shards[0].metadata if len(shards) == 1 else None
+                    if meta is None or list(meta.shard_offsets) != [pc.lo] or list(meta.shard_sizes) != [pc.hi - pc.lo]:
+                        raise ShardingError(
+                            f"the state of {pc.name!r} is sharded for another layout; load it with "
+                            "torch.distributed.checkpoint into this optimizer's state_dict() first"
+                        )
+                    v = shards[0].tensor
+                if target is None:
+                    state[k] = v.clone() if torch.is_tensor(v) else v
+                elif v is not target:
+                    target.copy_(v)
+            if "master" in saved:
+                pc.pslice.copy_(pc.master)
+        if any(st.dtype != torch.float32 for st in self._pstores.values()):
+            self._gather_params()  # the parameters from the loaded fp32 masters
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of model state on this rank: ``params`` (every parameter in its dtype, the flat
+        buffers' padding included), ``grads`` (GradSync's buckets), ``master`` (fp32 copies of this
+        rank's slice of non-fp32 parameters, and their fp32 gradients; fp32 parameters are stepped in
+        place), ``optimizer`` (this rank's optimizer state) and ``total``."""
+        trainable = {id(s.param) for s in self.sync._slots}
+        frozen = sum(p.numel() * p.element_size() for p in self.sync.model.parameters() if id(p) not in trainable)
+        out = {
+            "params": frozen + sum(t.numel() * t.element_size() for t in self._pstores.values()),
+            "grads": sum(t.numel() * t.element_size() for t in self.sync._storages),
+            "master": sum(t.numel() * t.element_size() for t in self._extra),
+            "optimizer": 0,
+        }
+        if self._inner is not None:
+            for st in self._inner.state.values():
+                out["optimizer"] += sum(t.numel() * t.element_size() for t in st.values() if torch.is_tensor(t))
+        out["total"] = sum(out.values())
+        return out

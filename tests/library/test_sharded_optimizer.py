@@ -174,3 +174,111 @@ def test_world_size_one_equals_plain_optimizer():
             opt.zero_grad()
         results[mode] = [p.detach().clone() for p in model.parameters()]
     assert _rel(results["plain"], results["sharded"]) <= BOUND
+
+
+# ---- checkpoints at another world size ---------------------------------------------------------
+GLOBAL_B = 8  # samples per step over all ranks: the same training at any world size
+
+
+def _global_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    x, y = torch.randint(0, 10, (GLOBAL_B, 5), generator=g), torch.randint(0, 10, (GLOBAL_B,), generator=g)
+    m = GLOBAL_B // world
+    return x[rank * m : (rank + 1) * m], y[rank * m : (rank + 1) * m]
+
+
+def _dcp_run(ctx, save_dir: str | None, load_dir: str | None) -> dict:
+    """Two steps (or a load), an optional dcp.save, then two more steps: losses, weights, full state."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = Net(rank=-1)  # no rank-dependent branch: the same model at any world size
+    model.branch.weight.data.mul_(1.5)  # (stays unused: its state is never made by a step)
+    sync = GradSync(model, shard="optimizer", **TINY)
+    opt = sync.sharded_optimizer(torch.optim.AdamW, _groups(model), lr=0.02, weight_decay=0.1)
+    world = sync.world_size
+
+    def step(i: int) -> float:
+        x, y = _global_batch(i, ctx.rank, world)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        sync.wait()
+        sync.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        if world > 1:
+            torch.distributed.all_reduce(t)
+        return t.item() / world
+
+    if load_dir is None:
+        step(0)
+        step(1)
+    else:
+        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+        dcp.load(sd, checkpoint_id=load_dir)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+    if save_dir is not None:
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=save_dir)
+    losses = [step(2), step(3)]
+    full = opt._full_state()
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {
+        "losses": losses,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "state": {names[i]: {k: t.cpu() for k, t in st.items()} for i, st in full.items()},
+        "bytes": opt.model_state_bytes(),
+    }
+
+
+def _close(a: dict, b: dict) -> float:
+    worst = _rel(list(a["params"].values()), list(b["params"].values()))
+    worst = max(worst, _rel([torch.tensor(a["losses"])], [torch.tensor(b["losses"])]))
+    assert a["state"].keys() == b["state"].keys()
+    for name in a["state"]:
+        assert a["state"][name].keys() == b["state"][name].keys(), name
+        for k in a["state"][name]:
+            worst = max(worst, _rel([a["state"][name][k].float()], [b["state"][name][k].float()]))
+    return worst
+
+
+def test_dcp_checkpoint_resumes_at_another_world_size(tmp_path):
+    """dcp.save at 2 ranks -> dcp.load at 1 and at 4; dcp.save at 4 -> dcp.load at 2: the next steps'
+    losses, the weights and the whole optimizer state equal the uninterrupted run."""
+    d2, d4 = str(tmp_path / "w2"), str(tmp_path / "w4")
+    ref = run_ranks(_dcp_run, 2, d2, None)[0]
+    assert ref["state"]["fc1.weight"]["step"].item() == 4  # the state moved on after the save
+    at1 = run_ranks(_dcp_run, 1, None, d2)[0]
+    at4 = run_ranks(_dcp_run, 4, d4, d2)[0]
+    back2 = run_ranks(_dcp_run, 2, None, d4)[0]
+    for got in (at1, at4, back2):
+        assert _close(ref, got) <= 1e-5
+
+
+def _bytes_case(ctx) -> dict:
+    model = nn.Sequential(nn.Linear(64, 96), nn.LayerNorm(96), nn.Linear(96, 64)).to(torch.bfloat16)
+    sync = GradSync(model, shard="optimizer", bucket_mb=0.01, first_bucket_mb=0.005)
+    opt = sync.sharded_optimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    model(x).float().pow(2).mean().backward()
+    sync.wait()
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    w = sync.world_size
+    formula = {
+        "params": 2 * n,  # bf16
+        "grads": 2 * n,  # bf16 buckets
+        "master": (4 + 4) * n / w,  # fp32 master slice and its fp32 gradient
+        "optimizer": 8 * n / w,  # AdamW's two moments of the slice (plus a step per piece)
+    }
+    return {"got": opt.model_state_bytes(), "formula": formula}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_model_state_bytes_equal_the_formula(world_size):
+    for res in run_ranks(_bytes_case, world_size):
+        got, formula = res["got"], res["formula"]
+        for key, expected in formula.items():
+            assert abs(got[key] - expected) <= 0.01 * expected, (key, got, formula)
+        assert got["total"] == sum(got[k] for k in formula)
