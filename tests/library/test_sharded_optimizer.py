@@ -177,7 +177,7 @@ def test_world_size_one_equals_plain_optimizer():
 
 
 # ---- checkpoints at another world size ---------------------------------------------------------
-GLOBAL_B = 8  # samples per step over all ranks: the same training at any world size
+GLOBAL_B = 12  # samples per step over all ranks: the same training at any world size
 
 
 def _global_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,3 +282,77 @@ def test_model_state_bytes_equal_the_formula(world_size):
         for key, expected in formula.items():
             assert abs(got[key] - expected) <= 0.01 * expected, (key, got, formula)
         assert got["total"] == sum(got[k] for k in formula)
+
+
+# ---- uneven inputs, requires_grad changes ------------------------------------------------------
+def _join_case(ctx) -> dict:
+    """Rank 0 has 2 more batches than the others: DDP under join() with a torch optimizer, and the
+    sharded step under sync.join() (the ranks that ran out step their slices): the same weights."""
+    runs = {}
+    for mode in ("ddp", "sync"):
+        torch.manual_seed(0)
+        model = Net(rank=-1)
+        if mode == "ddp":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                fwd = DDP(model, find_unused_parameters=True)
+            opt, sync, joined = torch.optim.AdamW(_groups(model), lr=0.02), None, fwd.join()
+        else:
+            sync = GradSync(model, shard="optimizer", **TINY)
+            fwd, joined = model, sync.join()
+            opt = sync.sharded_optimizer(torch.optim.AdamW, _groups(model), lr=0.02)
+        with joined:
+            for step in range(3 + (2 if ctx.rank == 0 else 0)):
+                x, y = _batch(step, ctx.rank)
+                F.cross_entropy(fwd(x), y).backward()
+                if sync is not None:
+                    sync.wait()
+                    sync.clip_grad_norm_(0.5)
+                else:
+                    nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                opt.step()
+                opt.zero_grad()
+        runs[mode] = [p.detach().clone() for p in model.parameters()]
+    return {"diff": _rel(runs["ddp"], runs["sync"])}
+
+
+def test_join_uneven_inputs_equals_ddp():
+    for res in run_ranks(_join_case, 2):
+        assert res["diff"] <= BOUND, res
+
+
+def _requires_grad_case(ctx) -> dict:
+    """fc2 frozen after step 1, the frozen layer unfrozen after step 2: the sharded run at this world
+    size follows (new buckets, masters and states moved) and equals one process on the whole batch."""
+    runs = {}
+    for mode in ("single", "sync"):
+        torch.manual_seed(0)
+        model = Net(rank=-1)
+        sync = GradSync(model, shard="optimizer", **TINY) if mode == "sync" else None
+        if sync is None:
+            opt = torch.optim.AdamW(_groups(model), lr=0.02, weight_decay=0.1)
+        else:
+            opt = sync.sharded_optimizer(torch.optim.AdamW, _groups(model), lr=0.02, weight_decay=0.1)
+        world, rank = (sync.world_size, ctx.rank) if sync is not None else (1, 0)
+        layouts = set()
+        for step in range(5):
+            if step == 2:
+                model.fc2.requires_grad_(False)
+            if step == 3:
+                model.frozen.requires_grad_(True)
+            x, y = _global_batch(step, rank, world)
+            F.cross_entropy(model(x), y).backward()
+            if sync is not None:
+                sync.wait()
+                layouts.add(sync.layout_version)
+            opt.step()
+            opt.zero_grad()
+        runs[mode] = [p.detach().clone() for p in model.parameters()]
+    return {"diff": _rel(runs["single"], runs["sync"]), "layouts": len(layouts)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_requires_grad_changes_rebuild_the_shard(world_size):
+    for res in run_ranks(_requires_grad_case, world_size):
+        assert res["layouts"] == 3, res
+        assert res["diff"] <= 1e-5, res
