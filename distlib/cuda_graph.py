@@ -34,12 +34,13 @@ def capture_problem(device: torch.device, optimizer: torch.optim.Optimizer, grad
         return f"CUDA graphs need a GPU; the step runs on {device}"
     if grad_accum != 1:
         return f"grad_accum={grad_accum}: only a single micro-step per optimizer step is captured"
-    if isinstance(optimizer, torch.optim.SGD) and not all(g.get("fused") for g in optimizer.param_groups):
+    cls = getattr(optimizer, "optimizer_class", type(optimizer))  # a ShardedOptimizer steps this class
+    if issubclass(cls, torch.optim.SGD) and not all(g.get("fused") for g in optimizer.param_groups):
         return "SGD must be built with fused=True (its foreach path reads a tensor lr with .item())"
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and not all(
+    if issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)) and not all(
         g.get("fused") or g.get("capturable") for g in optimizer.param_groups
     ):
-        return f"{type(optimizer).__name__} must be built with fused=True or capturable=True"
+        return f"{cls.__name__} must be built with fused=True or capturable=True"
     return None
 
 

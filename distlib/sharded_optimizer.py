@@ -173,7 +173,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__([dict(g) for g in probe.param_groups], probe.defaults)
         del probe
         self.sync = sync
-        self._class = optimizer_class
+        self.optimizer_class = optimizer_class  # what steps the slice (CapturedStep checks its settings)
         self._kwargs = kwargs
         self._inner: torch.optim.Optimizer | None = None
         self._pieces: list[_Piece] = []
@@ -234,7 +234,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             groups.append(inner)
         self._inner = None
         if any(g["params"] for g in groups):
-            self._inner = self._class(groups, **self._kwargs)
+            self._inner = self.optimizer_class(groups, **self._kwargs)
         if full:
             for pc in self._pieces:
                 saved = full.get(id(pc.param))

@@ -77,7 +77,8 @@ def _train(ctx, mode: str, opt_cls, opt_kw: dict, *, steps=4, accum=1, clip=None
     if mode == "ddp":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            fwd = DDP(model, find_unused_parameters=True)
+            ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+            fwd = DDP(model, device_ids=ids, find_unused_parameters=True)
         nosync, sync = fwd.no_sync, None
         opt = opt_cls(_groups(model), **opt_kw)
     else:
@@ -87,7 +88,7 @@ def _train(ctx, mode: str, opt_cls, opt_kw: dict, *, steps=4, accum=1, clip=None
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if sched else None
     norms = []
     for step in range(steps):
-        x, y = _batch(step, ctx.rank)
+        x, y = (t.to(ctx.device) for t in _batch(step, ctx.rank))
         m = B // accum
         for k in range(accum):
             with nosync() if k < accum - 1 else contextlib.nullcontext():
@@ -356,3 +357,91 @@ def test_requires_grad_changes_rebuild_the_shard(world_size):
     for res in run_ranks(_requires_grad_case, world_size):
         assert res["layouts"] == 3, res
         assert res["diff"] <= 1e-5, res
+
+
+# ---- GPU: NCCL's reduce_scatter with AVG, and the whole sharded step as one CUDA graph ---------
+def _exact_cuda() -> None:
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def _nccl_oracle(ctx) -> dict:
+    _exact_cuda()
+    return _oracle_cases(ctx)
+
+
+@pytest.mark.gpus(2)
+def test_nccl_sharded_training_equals_ddp_on_two_gpus():
+    for res in run_ranks(_nccl_oracle, 2, backend="nccl", timeout=240):
+        for name, r in res.items():
+            assert r["diff"] < (1e-2 if "bf16" in name else 1e-5), (name, r)
+
+
+_KEEP: list = []
+
+
+def _graph_vs_eager(ctx, dtype: torch.dtype = torch.float32, steps: int = 8) -> dict:
+    """The sharded step eager and as a CapturedStep (clipping inside, lr changing every step)."""
+    from distlib.cuda_graph import CapturedStep
+
+    _exact_cuda()
+    device = ctx.device if ctx is not None else torch.device("cuda", 0)
+    world, rank = (ctx.world_size, ctx.rank) if ctx is not None else (1, 0)
+    runs, out = {}, {}
+    for mode in ("eager", "graph"):
+        torch.manual_seed(0)
+        model = Net(rank=-1).to(device=device, dtype=dtype)
+        sync = GradSync(model, shard="optimizer", **TINY)
+        opt = sync.sharded_optimizer(torch.optim.AdamW, _groups(model), lr=0.02, weight_decay=0.1, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+        def loss_fn(x, y, model=model):
+            return F.cross_entropy(model(x).float(), y)
+
+        def clip(sync=sync):
+            sync.clip_grad_norm_(0.5)
+
+        step = CapturedStep(model, opt, loss_fn, sync, warmup_steps=2, before_step=clip) if mode == "graph" else None
+        losses = []
+        for i in range(steps):
+            x, y = (t.to(device) for t in _global_batch(i, rank, world))
+            if step is None:
+                loss = loss_fn(x, y)
+                loss.backward()
+                sync.wait()
+                clip()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                loss = step(x, y)
+            losses.append(loss.item())
+            sched.step()
+        runs[mode] = ([p.detach().clone() for p in model.parameters()], losses)
+        if step is not None:
+            out["captured"] = step.captured
+            if ctx is None:
+                step.close()
+            else:
+                _KEEP.append(step)  # released by distlib.shutdown() before the group goes
+    out["param_diff"] = _rel(runs["eager"][0], runs["graph"][0])
+    out["loss_diff"] = max(abs(a - b) for a, b in zip(runs["eager"][1], runs["graph"][1]))
+    return out
+
+
+def _graph_cases(ctx) -> dict:
+    return {"fp32": _graph_vs_eager(ctx), "bf16": _graph_vs_eager(ctx, torch.bfloat16)}
+
+
+@pytest.mark.gpus(1)
+def test_captured_sharded_step_equals_eager_on_one_gpu():
+    for name, out in _graph_cases(None).items():
+        assert out["captured"], name
+        assert out["param_diff"] < 1e-5 and out["loss_diff"] < 1e-5, (name, out)
+
+
+@pytest.mark.gpus(2)
+def test_captured_sharded_step_equals_eager_on_two_gpus():
+    for res in run_ranks(_graph_cases, 2, backend="nccl", timeout=240):
+        for name, out in res.items():
+            assert out["captured"], name
+            assert out["param_diff"] < 1e-5 and out["loss_diff"] < 1e-5, (name, out)
