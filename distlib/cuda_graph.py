@@ -121,6 +121,9 @@ class CapturedStep:
     def _capture(self) -> None:
         if self.sync is not None and self.sync.world_size > 1 and not self.sync._rebuilt:
             raise RuntimeError("GradSync has not completed a synced step; capture needs its final bucket layout")
+        finish = getattr(self.optimizer, "finish_param_gather", None)
+        if finish is not None:
+            finish()  # a ShardedOptimizer's all_gathers left in flight by the last eager step
         torch.cuda.synchronize(self.device)
         if collectives.world_size() > 1:
             # No NCCL work pending (capture_begin would wait for the watchdog to retire it), and

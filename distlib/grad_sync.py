@@ -523,6 +523,8 @@ class GradSync:
                 sharded_optimizer.shadow_step(self)  # the marks, then this rank's part of the optimizer step
             if not self._rebuilt:
                 self._rebuild()  # the active ranks rebuild after their first synced step
+        if self._sharded_optimizer is not None:
+            self._sharded_optimizer.finish_param_gather()  # the parameters are read below
         self._take_last_joiner(last)
 
     @torch.no_grad()
@@ -581,11 +583,18 @@ class GradSync:
         return [(b.flat.numel() - len(b.slots)) * b.flat.element_size() for b in self.buckets]
 
     def sharded_optimizer(
-        self, optimizer_class: type[torch.optim.Optimizer], params, **kwargs
+        self,
+        optimizer_class: type[torch.optim.Optimizer],
+        params,
+        *,
+        overlap_param_gather: bool = False,
+        **kwargs,
     ) -> sharded_optimizer.ShardedOptimizer:
         """The optimizer for ``shard="optimizer"``: ``optimizer_class(params, **kwargs)`` stepping this
         rank's shard of fp32 parameters (see distlib.sharded_optimizer.ShardedOptimizer)."""
-        return sharded_optimizer.ShardedOptimizer(self, optimizer_class, params, **kwargs)
+        return sharded_optimizer.ShardedOptimizer(
+            self, optimizer_class, params, overlap_param_gather=overlap_param_gather, **kwargs
+        )
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

@@ -137,7 +137,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """A torch optimizer that steps only this rank's slice of the parameters (ZeRO-1).
 
     Built by ``GradSync.sharded_optimizer(optimizer_class, params, **kwargs)`` with the arguments
-    ``optimizer_class`` takes (parameter groups with their own settings included). ``param_groups``
+    ``optimizer_class`` takes (parameter groups with their own settings included), and
+    ``overlap_param_gather`` (see ``finish_param_gather``). ``param_groups``
     are the model's parameters with the resolved settings: LR schedulers change them and each step
     passes them on to the inner optimizer, built over fp32 views of this rank's slice. The
     model's trainable parameters become views of one flat buffer per dtype laid out as GradSync's
@@ -148,7 +149,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     give the same result on a slice; others raise ``ShardingError``.
     """
 
-    def __init__(self, sync: GradSync, optimizer_class: type[torch.optim.Optimizer], params: Iterable, **kwargs):
+    def __init__(
+        self,
+        sync: GradSync,
+        optimizer_class: type[torch.optim.Optimizer],
+        params: Iterable,
+        *,
+        overlap_param_gather: bool = False,
+        **kwargs,
+    ):
         if sync.shard != "optimizer":
             raise ShardingError(
                 "sharded_optimizer() needs GradSync(model, shard='optimizer'); this GradSync all_reduces "
@@ -180,6 +189,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._pstores: dict[torch.dtype, torch.Tensor] = {}
         self._extra: list[torch.Tensor] = []  # fp32 masters and gradient copies of non-fp32 slices
         self._version = -1
+        # overlap: step() returns with the all_gathers in flight; each module's forward pre-hook waits
+        # for the buckets of its own parameters (Megatron's way). Off by default: code that reads the
+        # parameters between step() and the next forward (an EMA, a checkpoint) would need finish_param_gather().
+        self.overlap_param_gather = overlap_param_gather
+        self._pending: dict[int, dist.Work] = {}
+        self._hooks: list = []
         sync._sharded_optimizer = self
         self._build(None)
 
@@ -232,6 +247,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             inner = {k: v for k, v in g.items() if k != "params"}
             inner["params"] = [by_param[id(p)].master for p in g["params"] if id(p) in by_param]
             groups.append(inner)
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.overlap_param_gather:
+            where = {id(s.param): b.index for b in sync.buckets for s in b.slots}
+            for module in sync.model.modules():
+                mine = sorted({where[id(p)] for p in module.parameters(recurse=False) if id(p) in where})
+                if mine:
+                    self._hooks.append(module.register_forward_pre_hook(self._waiter(mine)))
         self._inner = None
         if any(g["params"] for g in groups):
             self._inner = self.optimizer_class(groups, **self._kwargs)
@@ -297,6 +321,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.finish_param_gather()
         if self._version != self.sync.layout_version:  # requires_grad changed: GradSync laid out new buckets
             self._build(self._full_state())  # the old pieces still hold the masters and states
         self._inner_step()
@@ -327,24 +352,44 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if low:
             torch._foreach_copy_([pc.pslice for pc in low], [pc.master for pc in low])
 
+    def _waiter(self, buckets: list[int]):
+        def hook(module, args) -> None:
+            for i in buckets:
+                work = self._pending.pop(i, None)
+                if work is not None:
+                    work.wait()
+
+        return hook
+
+    def finish_param_gather(self) -> None:
+        """Wait for the parameters' all_gathers still in flight (``overlap_param_gather=True``): call it
+        before reading the parameters outside a forward (EMA, evaluation without forward, saving)."""
+        pending, self._pending = self._pending, {}
+        for work in pending.values():
+            work.wait()
+
     @torch.no_grad()
     def _gather_params(self) -> None:
-        """Every rank's updated slice to every rank: one async all_gather per bucket, in bucket order,
-        round-robin over the communicators (as the reduce_scatters)."""
+        """Every rank's updated slice to every rank: one async all_gather per bucket, the first layers'
+        buckets first (the next forward needs them first), round-robin over the communicators."""
         sync = self.sync
         if sync.world_size == 1:
             return
         r, w = dist.get_rank(), sync.world_size
-        works = []
-        for b in sync.buckets:
+        works = {}
+        for b in reversed(sync.buckets):
             start, n = b.flat.storage_offset(), b.flat.numel()
             flat = self._pstores[b.flat.dtype][start : start + n]
             c = n // w
             group = None
             if sync.comm_groups > 1:
                 group = collectives.comm_groups(sync.comm_groups)[b.index % sync.comm_groups]
-            works.append(_all_gather(flat, flat[r * c : (r + 1) * c], group=group, async_op=True))
-        for work in works:
+            works[b.index] = _all_gather(flat, flat[r * c : (r + 1) * c], group=group, async_op=True)
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if self.overlap_param_gather and not capturing:  # a captured step ends with its parameters gathered
+            self._pending = works
+            return
+        for work in works.values():
             work.wait()
 
     # ---- checkpoints -------------------------------------------------------------------------
@@ -402,6 +447,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         "master") is a ShardedTensor of the parameter's flat size whose local shard is this rank's
         range, the very tensor the optimizer steps (``dcp.load`` fills it in place). Scalars (step)
         are plain tensors, the same on every rank that holds a piece."""
+        self.finish_param_gather()
         self._init_state()
         ranges = [self._ranges(q) for q in range(self.sync.world_size)]
         state = {}
@@ -431,6 +477,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"the checkpoint has {len(groups)} parameter groups, this optimizer {len(self.param_groups)}; "
                 "build the optimizer with the same groups as the run that saved it"
             )
+        self.finish_param_gather()
         self._init_state()
         for g, saved in zip(self.param_groups, groups):
             g.update({k: v for k, v in saved.items() if k != "params"})

@@ -177,6 +177,40 @@ def test_world_size_one_equals_plain_optimizer():
     assert _rel(results["plain"], results["sharded"]) <= BOUND
 
 
+def _overlap_case(ctx) -> dict:
+    """overlap_param_gather: step() returns with the all_gathers in flight, each module's forward
+    waits for its own buckets; the training equals the step that waits at its end."""
+    runs, pending = {}, []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = Net(ctx.rank)
+        sync = GradSync(model, shard="optimizer", **TINY)
+        opt = sync.sharded_optimizer(torch.optim.AdamW, _groups(model), lr=0.02, overlap_param_gather=overlap)
+        for step in range(3):
+            x, y = _batch(step, ctx.rank)
+            out = model(x)
+            if overlap and step > 0:
+                pending.append(len(opt._pending))  # what the forward left: buckets of unused modules
+            F.cross_entropy(out, y).backward()
+            sync.wait()
+            opt.step()
+            if overlap:
+                pending.append(len(opt._pending))  # all in flight
+            opt.zero_grad()
+        opt.finish_param_gather()
+        runs[overlap] = [p.detach().clone() for p in model.parameters()]
+    return {"diff": _rel(runs[False], runs[True]), "pending": pending, "buckets": len(sync.buckets)}
+
+
+def test_overlapped_param_gather_equals_waiting():
+    for res in run_ranks(_overlap_case, 2):
+        assert res["diff"] == 0.0, res
+        n = res["buckets"]
+        after_step, after_forward = res["pending"][0::2], res["pending"][1::2]
+        assert after_step == [n] * 3, res
+        assert all(k < n for k in after_forward), res
+
+
 # ---- checkpoints at another world size ---------------------------------------------------------
 GLOBAL_B = 12  # samples per step over all ranks: the same training at any world size
 
