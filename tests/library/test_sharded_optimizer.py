@@ -163,6 +163,7 @@ def test_world_size_one_equals_plain_optimizer():
         else:
             opt = sync.sharded_optimizer(torch.optim.AdamW, _groups(model), lr=0.01)
             assert isinstance(opt, ShardedOptimizer) and len(sync.buckets) > 1
+            opt.state_dict()  # makes a state for every piece (as for a load): it must step as a fresh one
         for step in range(3):
             x, y = _batch(step, 0)
             F.cross_entropy(model(x), y).backward()
@@ -363,7 +364,8 @@ def _requires_grad_case(ctx) -> dict:
     for mode in ("single", "sync"):
         torch.manual_seed(0)
         model = Net(rank=-1)
-        sync = GradSync(model, shard="optimizer", **TINY) if mode == "sync" else None
+        # buckets of several parameters: a parameter frozen or thawed moves the others' slices
+        sync = GradSync(model, shard="optimizer", bucket_mb=0.002, first_bucket_mb=0.001) if mode == "sync" else None
         if sync is None:
             opt = torch.optim.AdamW(_groups(model), lr=0.02, weight_decay=0.1)
         else:
@@ -479,3 +481,12 @@ def test_captured_sharded_step_equals_eager_on_two_gpus():
         for name, out in res.items():
             assert out["captured"], name
             assert out["param_diff"] < 1e-5 and out["loss_diff"] < 1e-5, (name, out)
+
+
+def test_capture_problem_checks_the_class_the_sharded_optimizer_steps():
+    from distlib.cuda_graph import capture_problem
+
+    model = nn.Linear(4, 4)
+    sync = GradSync(model, shard="optimizer")
+    opt = sync.sharded_optimizer(torch.optim.AdamW, model.parameters(), lr=0.1)
+    assert "AdamW must be built with fused=True" in capture_problem(torch.device("cuda"), opt)
