@@ -35,6 +35,7 @@ from distlib.model_check import ModelMismatchError
 from distlib.process_group import Context, EnvError, init, shutdown
 from distlib.sampler import EpochLoader as EpochLoader  # returned by distributed_loader; kept importable
 from distlib.sampler import ExactDistributedSampler, distributed_loader
+from distlib.sharded_optimizer import ShardedOptimizer, ShardingError
 from distlib.stop import StopSignal
 from distlib.watchdog import Watchdog
 
@@ -53,6 +54,8 @@ __all__ = [
     "GradSync",
     "ModelMismatchError",
     "Replicas",
+    "ShardedOptimizer",
+    "ShardingError",
     "StopSignal",
     "Watchdog",
     "all_gather_object",
