@@ -90,6 +90,11 @@ class GradSync:
     ``.grad`` (None after ``opt.zero_grad()``), without an extra collective. ``requires_grad``
     changed after construction is followed at the next ``wait()``. ``with sync.join():`` around
     the training loop handles uneven inputs (ranks that run out of batches shadow the others).
+
+    ``shard="optimizer"`` (ZeRO-1) reduce-scatters each bucket into this rank's slice instead, for
+    the optimizer from ``sync.sharded_optimizer(...)``, which steps only that slice and all_gathers
+    the parameters; ``sync.clip_grad_norm_`` clips by the global norm in both modes
+    (distlib/sharded_optimizer.py; docs/grad_sync.md, "Optimizer sharding").
     """
 
     def __init__(

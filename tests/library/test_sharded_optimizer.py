@@ -141,6 +141,35 @@ def test_sharded_training_equals_ddp(world_size):
             assert r["is_sched_optimizer"]
 
 
+def _replicated_clip(ctx) -> dict:
+    """clip_grad_norm_ of a replicated GradSync: the global norm, the same clipping as torch's on DDP."""
+    out = {}
+    for mode in ("ddp", "sync"):
+        torch.manual_seed(0)
+        model = Net(ctx.rank)
+        if mode == "ddp":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                fwd = DDP(model, find_unused_parameters=True)
+        else:
+            fwd = model
+            sync = GradSync(model, **TINY)
+        x, y = _batch(0, ctx.rank)
+        F.cross_entropy(fwd(x), y).backward()
+        if mode == "ddp":
+            norm = nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        else:
+            sync.wait()
+            norm = sync.clip_grad_norm_(0.1)
+        out[mode] = (float(norm), [p.grad.clone() for p in model.parameters() if p.grad is not None])
+    return {"norm": abs(out["ddp"][0] - out["sync"][0]) / out["ddp"][0], "grads": _rel(out["ddp"][1], out["sync"][1])}
+
+
+def test_replicated_clip_grad_norm_is_global():
+    for res in run_ranks(_replicated_clip, 2):
+        assert res["norm"] <= BOUND and res["grads"] <= BOUND, res
+
+
 def test_refuses_non_elementwise_and_replicated():
     model = nn.Linear(4, 4)
     sync = GradSync(model, shard="optimizer")
@@ -426,7 +455,10 @@ def _graph_vs_eager(ctx, dtype: torch.dtype = torch.float32, steps: int = 8) -> 
     runs, out = {}, {}
     for mode in ("eager", "graph"):
         torch.manual_seed(0)
-        model = Net(rank=-1).to(device=device, dtype=dtype)
+        model = Net(rank=-1)
+        # a captured step marks every parameter used (GradSync's rule): no unused layers here
+        model.unused, model.branch = None, None
+        model = model.to(device=device, dtype=dtype)
         sync = GradSync(model, shard="optimizer", **TINY)
         opt = sync.sharded_optimizer(torch.optim.AdamW, _groups(model), lr=0.02, weight_decay=0.1, fused=True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
