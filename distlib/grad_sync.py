@@ -609,8 +609,8 @@ class GradSync:
         ``shard="optimizer"``, every shard's, computed in ``wait()``. No host sync (capturable)."""
         if self.shard == "optimizer":
             return sharded_optimizer.clip_shards(self, max_norm)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True if grads else None)
+        params = [p for p in self.params if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True if params else None)
 
     def close(self) -> None:
         """Remove the hooks (the gradients stay where they are)."""

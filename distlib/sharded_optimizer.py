@@ -14,14 +14,13 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from distlib import collectives
 from distlib.errors import DistlibError
 
 if TYPE_CHECKING:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
     from distlib.grad_sync import GradSync
 
 __all__ = ["ShardedOptimizer", "ShardingError"]
@@ -64,6 +63,11 @@ def reduce_marks(sync: GradSync) -> None:
     """Sum the used marks over the ranks, with this rank's squared gradient norm as the last element:
     one small all_reduce per step gives both (the norm for ``clip_grad_norm_`` needs no other
     collective, and ranks shadowing in ``join()`` issue the same one). Blocking; capturable."""
+    if sync._sharded_optimizer is None:
+        raise ShardingError(
+            "GradSync(model, shard='optimizer') averages only this rank's slice of each bucket: build the "
+            "optimizer with sync.sharded_optimizer(torch.optim.AdamW, ...) before the first sync.wait()"
+        )
     shards = [s for s in _shards(sync) if s.numel()]
     marks = sync._marks
     if shards:
@@ -197,6 +201,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._hooks: list = []
         sync._sharded_optimizer = self
         self._build(None)
+
+    def add_param_group(self, param_group: dict) -> None:  # noqa: D102 (torch.optim.Optimizer)
+        if hasattr(self, "sync"):
+            raise ShardingError(
+                "a ShardedOptimizer's slices are cut when it is built: pass every parameter group to "
+                "sync.sharded_optimizer() instead of add_param_group()"
+            )
+        super().add_param_group(param_group)
 
     # ---- layout ------------------------------------------------------------------------------
     def _ranges(self, rank: int) -> dict[int, tuple[int, int, int]]:
@@ -426,6 +438,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         flat size: the metadata lists every rank's range, computed here (no communication)."""
         if len(ranges) == 1:  # world size 1 (maybe without a process group): the whole tensor, as DCP saves it
             return t
+        # imported here: only checkpoints need them (ShardedTensor: DTensor cannot express uneven ranges)
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
         me = collectives.rank()
         metas, local = [], None
         for q, rq in enumerate(ranges):
@@ -471,6 +488,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load what ``state_dict()`` gave, after ``dcp.load`` filled it (at any world size), or a
         state_dict of this same layout. The groups' settings (lr, ...) are taken by position."""
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ShardingError(

@@ -178,6 +178,12 @@ def test_refuses_non_elementwise_and_replicated():
     plain = GradSync(nn.Linear(4, 4))
     with pytest.raises(ShardingError, match="shard='optimizer'"):
         plain.sharded_optimizer(torch.optim.AdamW, plain.model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(ShardingError, match="sync.sharded_optimizer"):  # a plain optimizer would step one slice
+        sync.wait()
+    opt = sync.sharded_optimizer(torch.optim.SGD, model.parameters(), lr=0.1)
+    with pytest.raises(ShardingError, match="add_param_group"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
 
 
 def test_world_size_one_equals_plain_optimizer():
@@ -321,28 +327,30 @@ def test_dcp_checkpoint_resumes_at_another_world_size(tmp_path):
         assert _close(ref, got) <= 1e-5
 
 
-def _bytes_case(ctx) -> dict:
-    model = nn.Sequential(nn.Linear(64, 96), nn.LayerNorm(96), nn.Linear(96, 64)).to(torch.bfloat16)
+def _bytes_case(ctx, dtype: torch.dtype) -> dict:
+    model = nn.Sequential(nn.Linear(64, 96), nn.LayerNorm(96), nn.Linear(96, 64)).to(dtype)
     sync = GradSync(model, shard="optimizer", bucket_mb=0.01, first_bucket_mb=0.005)
     opt = sync.sharded_optimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)
-    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    x = torch.randn(4, 64, dtype=dtype)
     model(x).float().pow(2).mean().backward()
     sync.wait()
     opt.step()
     n = sum(p.numel() for p in model.parameters())
     w = sync.world_size
+    size = torch.empty((), dtype=dtype).element_size()
     formula = {
-        "params": 2 * n,  # bf16
-        "grads": 2 * n,  # bf16 buckets
-        "master": (4 + 4) * n / w,  # fp32 master slice and its fp32 gradient
+        "params": size * n,  # in their dtype
+        "grads": size * n,  # GradSync's buckets
+        # the fp32 master slice and its fp32 gradient; fp32 parameters are stepped in place
+        "master": (4 + 4) * n / w if dtype != torch.float32 else 0,
         "optimizer": 8 * n / w,  # AdamW's two moments of the slice (plus a step per piece)
     }
     return {"got": opt.model_state_bytes(), "formula": formula}
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_model_state_bytes_equal_the_formula(world_size):
-    for res in run_ranks(_bytes_case, world_size):
+@pytest.mark.parametrize("world_size,dtype", [(2, torch.bfloat16), (4, torch.bfloat16), (4, torch.float32)])
+def test_model_state_bytes_equal_the_formula(world_size, dtype):
+    for res in run_ranks(_bytes_case, world_size, dtype):
         got, formula = res["got"], res["formula"]
         for key, expected in formula.items():
             assert abs(got[key] - expected) <= 0.01 * expected, (key, got, formula)
