@@ -504,6 +504,11 @@ def _graph_vs_eager(ctx, dtype: torch.dtype = torch.float32, steps: int = 8) -> 
     return out
 
 
+# bf16 parameters: a last-bit difference of an fp32 master (a tensor lr in the graph, a float one
+# eagerly) can round to a neighbouring bf16 value
+GRAPH_BOUND = {"fp32": 1e-5, "bf16": 1e-2}
+
+
 def _graph_cases(ctx) -> dict:
     return {"fp32": _graph_vs_eager(ctx), "bf16": _graph_vs_eager(ctx, torch.bfloat16)}
 
@@ -512,7 +517,8 @@ def _graph_cases(ctx) -> dict:
 def test_captured_sharded_step_equals_eager_on_one_gpu():
     for name, out in _graph_cases(None).items():
         assert out["captured"], name
-        assert out["param_diff"] < 1e-5 and out["loss_diff"] < 1e-5, (name, out)
+        bound = GRAPH_BOUND[name]
+        assert out["param_diff"] < bound and out["loss_diff"] < bound, (name, out)
 
 
 @pytest.mark.gpus(2)
@@ -520,7 +526,8 @@ def test_captured_sharded_step_equals_eager_on_two_gpus():
     for res in run_ranks(_graph_cases, 2, backend="nccl", timeout=240):
         for name, out in res.items():
             assert out["captured"], name
-            assert out["param_diff"] < 1e-5 and out["loss_diff"] < 1e-5, (name, out)
+            bound = GRAPH_BOUND[name]
+            assert out["param_diff"] < bound and out["loss_diff"] < bound, (name, out)
 
 
 def test_capture_problem_checks_the_class_the_sharded_optimizer_steps():
