@@ -110,11 +110,8 @@ def _oracle_cases(ctx) -> dict:
     cases = {
         "adamw clip sched": (torch.optim.AdamW, {"lr": 0.02, "betas": (0.9, 0.99)}, {"clip": 0.5, "sched": True}),
         "sgd momentum accum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, {"accum": 2, "clip": 0.3}),
-        "sgd bf16 comm_groups": (
-            torch.optim.SGD,
-            {"lr": 0.1, "momentum": 0.9},
-            {"sync_kw": {"compress": "bf16", "comm_groups": 2}},
-        ),
+        "adamw 3 communicators": (torch.optim.AdamW, {"lr": 0.02}, {"clip": 0.5, "sync_kw": {"comm_groups": 3}}),
+        "sgd bf16 compression": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, {"sync_kw": {"compress": "bf16"}}),
     }
     out = {}
     for name, (cls, kw, opts) in cases.items():
