@@ -305,7 +305,8 @@ class GradSync:
         the buckets are rebuilt (every rank must make the same change before the same step).
 
         A collective: every rank must call it after each synced backward, before the optimizer
-        step. A no-op inside ``no_sync()`` and at world size 1.
+        step. A no-op inside ``no_sync()`` and, replicated, at world size 1. With ``shard="optimizer"``
+        only this rank's slice of each bucket is averaged (the sharded optimizer steps it).
         """
         if self._skip or (self.world_size == 1 and self.shard == "none"):
             return
@@ -584,8 +585,9 @@ class GradSync:
         collectives.sync_buffers(self.model)
 
     def bucket_sizes(self) -> list[int]:
-        """Bytes of each bucket's gradients (without its used marks), in launch order."""
-        return [(b.flat.numel() - len(b.slots)) * b.flat.element_size() for b in self.buckets]
+        """Bytes of each bucket's gradients (without its used marks; sharded: with its padding), in launch order."""
+        marks = 0 if self.shard == "optimizer" else 1
+        return [(b.flat.numel() - marks * len(b.slots)) * b.flat.element_size() for b in self.buckets]
 
     def sharded_optimizer(
         self,
