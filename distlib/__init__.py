@@ -31,23 +31,27 @@ from distlib.compile import compile_for_sync
 from distlib.cuda_graph import CapturedStep, CaptureUnsupported
 from distlib.ema import EMA
 from distlib.errors import DistlibError
-from distlib.fsdp import FSDPSync, ShardingError, shard_model
 from distlib.grad_sync import GradSync
 from distlib.log import get_logger
 from distlib.model_check import ModelMismatchError
 from distlib.process_group import Context, EnvError, init, shutdown
 from distlib.sampler import EpochLoader as EpochLoader  # returned by distributed_loader; kept importable
 from distlib.sampler import ExactDistributedSampler, distributed_loader
+from distlib.sharded_optimizer import ShardedOptimizer, ShardingError
 from distlib.stop import StopSignal
 from distlib.watchdog import Watchdog
 
 
 def __getattr__(name: str):
-    # torch.distributed.checkpoint adds seconds to the import: loaded when first used
+    # torch.distributed.checkpoint and FSDP2 add seconds to the import: loaded when first used
     if name in ("ShardedCheckpointer", "export_checkpoint"):
         from distlib import sharded_checkpoint
 
         return getattr(sharded_checkpoint, name)
+    if name in ("FSDPSync", "shard_model"):
+        from distlib import fsdp
+
+        return getattr(fsdp, name)
     raise AttributeError(f"module 'distlib' has no attribute {name!r}")
 
 
@@ -68,6 +72,7 @@ __all__ = [
     "ModelMismatchError",
     "Replicas",
     "ShardedCheckpointer",
+    "ShardedOptimizer",
     "ShardingError",
     "StopSignal",
     "Watchdog",

@@ -9,6 +9,7 @@ collectives captured, thread-local capture mode): docs/cuda_graphs.md.
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 from collections.abc import Callable
 
@@ -34,18 +35,21 @@ def capture_problem(device: torch.device, optimizer: torch.optim.Optimizer, grad
         return f"CUDA graphs need a GPU; the step runs on {device}"
     if grad_accum != 1:
         return f"grad_accum={grad_accum}: only a single micro-step per optimizer step is captured"
-    if isinstance(optimizer, torch.optim.SGD) and not all(g.get("fused") for g in optimizer.param_groups):
+    cls = getattr(optimizer, "optimizer_class", type(optimizer))  # a ShardedOptimizer steps this class
+    if issubclass(cls, torch.optim.SGD) and not all(g.get("fused") for g in optimizer.param_groups):
         return "SGD must be built with fused=True (its foreach path reads a tensor lr with .item())"
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and not all(
+    if issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)) and not all(
         g.get("fused") or g.get("capturable") for g in optimizer.param_groups
     ):
-        return f"{type(optimizer).__name__} must be built with fused=True or capturable=True"
+        return f"{cls.__name__} must be built with fused=True or capturable=True"
     return None
 
 
 def sharding_problem(model: nn.Module) -> str | None:
     """Why a fully sharded model's step cannot be a CUDA graph, or None for any other model."""
-    from distlib.fsdp import is_fully_sharded  # FSDP2's modules load only when this question comes up
+    if "torch.distributed.fsdp" not in sys.modules:
+        return None  # nothing has sharded it: FSDP2 is not even imported (and costs seconds to import)
+    from distlib.fsdp import is_fully_sharded
 
     if is_fully_sharded(model):
         return (
@@ -132,6 +136,9 @@ class CapturedStep:
     def _capture(self) -> None:
         if self.sync is not None and self.sync.world_size > 1 and not self.sync._rebuilt:
             raise RuntimeError("GradSync has not completed a synced step; capture needs its final bucket layout")
+        finish = getattr(self.optimizer, "finish_param_gather", None)
+        if finish is not None:
+            finish()  # a ShardedOptimizer's all_gathers left in flight by the last eager step
         torch.cuda.synchronize(self.device)
         if collectives.world_size() > 1:
             # No NCCL work pending (capture_begin would wait for the watchdog to retire it), and

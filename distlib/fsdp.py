@@ -22,15 +22,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from distlib import collectives
-from distlib.errors import DistlibError
 from distlib.log import get_logger
+from distlib.sharded_optimizer import ShardingError
 from distlib.state_broadcast import broadcast_module
 
 __all__ = ["FSDPSync", "ShardingError", "is_fully_sharded", "shard_model"]
-
-
-class ShardingError(DistlibError, ValueError):
-    """A model or a setting that full sharding cannot use (the message says which and what to do)."""
 
 
 def is_fully_sharded(model: nn.Module) -> bool:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlib import collectives
+from distlib import collectives, sharded_optimizer
 from distlib.buckets import group_tensors
 from distlib.flat_buffers import FlatBuffers
 from distlib.model_check import ModelMismatchError, check_same_model
@@ -51,11 +51,19 @@ class _Slot:
 class _Bucket:
     __slots__ = ("index", "slots", "flat", "comp", "pending", "work", "used")
 
-    def __init__(self, index: int, slots: list[_Slot], flat: torch.Tensor, comp: torch.Tensor | None):
+    def __init__(
+        self,
+        index: int,
+        slots: list[_Slot],
+        flat: torch.Tensor,
+        comp: torch.Tensor | None,
+        used: torch.Tensor | None = None,
+    ):
         self.index = index
         self.slots = slots
         self.flat = flat  # contiguous slice of the dtype's storage: the gradients, then one "used" mark per slot
-        self.used = flat[flat.numel() - len(slots) :]  # nonzero after the all_reduce iff some rank used the slot
+        # nonzero after the all_reduce iff some rank used the slot (sharded: a view of GradSync._marks)
+        self.used = flat[flat.numel() - len(slots) :] if used is None else used
         self.comp = comp  # bf16 copy that travels instead of flat (compression), or None
         self.pending = len(slots)
         self.work: dist.Work | None = None
@@ -82,6 +90,11 @@ class GradSync:
     ``.grad`` (None after ``opt.zero_grad()``), without an extra collective. ``requires_grad``
     changed after construction is followed at the next ``wait()``. ``with sync.join():`` around
     the training loop handles uneven inputs (ranks that run out of batches shadow the others).
+
+    ``shard="optimizer"`` (ZeRO-1) reduce-scatters each bucket into this rank's slice instead, for
+    the optimizer from ``sync.sharded_optimizer(...)``, which steps only that slice and all_gathers
+    the parameters; ``sync.clip_grad_norm_`` clips by the global norm in both modes
+    (distlib/sharded_optimizer.py; docs/grad_sync.md, "Optimizer sharding").
     """
 
     def __init__(
@@ -93,6 +106,7 @@ class GradSync:
         compress: Literal["none", "bf16"] = "none",
         broadcast: bool = True,
         comm_groups: int = 1,
+        shard: Literal["none", "optimizer"] = "none",
     ):
         if bucket_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError(f"bucket sizes must be > 0, got bucket_mb={bucket_mb}, first_bucket_mb={first_bucket_mb}")
@@ -100,6 +114,12 @@ class GradSync:
             raise ValueError(f"compress must be 'none' or 'bf16', got {compress!r}")
         if isinstance(comm_groups, bool) or not isinstance(comm_groups, int) or comm_groups < 1:
             raise ValueError(f"comm_groups must be an integer >= 1, got {comm_groups!r}")
+        if shard not in ("none", "optimizer"):
+            raise ValueError(f"shard must be 'none' or 'optimizer', got {shard!r}")
+        self.shard = shard
+        self.layout_version = 0  # bumped by every bucket layout (the sharded optimizer follows it)
+        self._marks: torch.Tensor | None = None  # shard="optimizer": every slot's used mark, then the squared norm
+        self._sharded_optimizer = None  # shard="optimizer": the ShardedOptimizer built on this GradSync
         self.model = model
         self.bucket_bytes = int(bucket_mb * _MB)
         self.first_bucket_bytes = int(first_bucket_mb * _MB)
@@ -121,7 +141,18 @@ class GradSync:
         self._announced: dist.Work | None = None
         self._device = self.params[0].device if self.params else torch.device("cpu")
         self.comm_groups = comm_groups
+        # NCCL averages inside the kernel; gloo has no AVG, so buckets are pre-divided.
+        self._op, self._prediv = dist.ReduceOp.SUM, False
+        if shard == "optimizer":
+            # the same path at world size 1 (buckets, hooks, the optimizer's shard), without collectives;
+            # buckets keep their first layout (reverse registration order): a rebuild after a
+            # reduce_scatter would move gradients that only another rank has averaged
+            self._rebuilt, self._arrival = True, None
         if self.world_size == 1:
+            if shard == "optimizer" and self.params:
+                self._layout([len(self.params) - 1 - i for i in range(len(self.params))])
+                for slot in self._slots:
+                    self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._hook_for(slot.index)))
             return
         devices = {p.device for p in self.params}
         if len(devices) > 1:
@@ -132,7 +163,6 @@ class GradSync:
         # new_group is a collective: here, on every rank, once (shared with other GradSyncs)
         collectives.comm_groups(comm_groups)  # a collective when it creates them: now, on every rank
         backend = dist.get_backend()
-        # NCCL averages inside the kernel; gloo has no AVG, so buckets are pre-divided.
         self._op = dist.ReduceOp.AVG if backend == "nccl" else dist.ReduceOp.SUM
         self._prediv = backend != "nccl"
         if self.params:
@@ -164,16 +194,27 @@ class GradSync:
                 at[i] = len(tensors)
                 tensors.append(params[i])
             marks_at.append(len(tensors))
-            tensors.append(torch.empty(len(group), dtype=params[group[0]].dtype, device="meta"))
+            if self.shard == "optimizer":  # no marks (they travel in _marks): padding to a multiple of world_size
+                n = sum(params[i].numel() for i in group)
+                tensors.append(torch.empty(-n % self.world_size, dtype=params[group[0]].dtype, device="meta"))
+            else:
+                tensors.append(torch.empty(len(group), dtype=params[group[0]].dtype, device="meta"))
         flat = FlatBuffers(tensors, params[0].device)
         self._storages = list(flat.flat.values())
         self.buckets = []
+        self.layout_version += 1
+        if self.shard == "optimizer":
+            self._marks = torch.zeros(len(slots) + 1, dtype=torch.float32, device=params[0].device)
+        done = 0
         for group, marks in zip(groups, marks_at):
             span = flat.span(at[group[0]], marks)
             comp = None
             if self.compress == "bf16" and span.dtype in (torch.float32, torch.float64):
                 comp = torch.empty(span.numel(), dtype=torch.bfloat16, device=span.device)
-            bucket = _Bucket(len(self.buckets), [slots[i] for i in group], span, comp)
+            used = None
+            if self._marks is not None:
+                used, done = self._marks[done : done + len(group)], done + len(group)
+            bucket = _Bucket(len(self.buckets), [slots[i] for i in group], span, comp, used)
             for i in group:
                 slots[i].view = flat.views[at[i]]
                 slots[i].bucket = bucket
@@ -247,6 +288,11 @@ class GradSync:
         group = None
         if self.comm_groups > 1:
             group = collectives.comm_groups(self.comm_groups)[bucket.index % self.comm_groups]
+        if self.world_size == 1:
+            return
+        if self.shard == "optimizer":
+            bucket.work = sharded_optimizer.reduce_scatter(payload, self._op, group)
+            return
         bucket.work = dist.all_reduce(payload, op=self._op, group=group, async_op=True)
 
     def wait(self) -> None:
@@ -259,19 +305,23 @@ class GradSync:
         the buckets are rebuilt (every rank must make the same change before the same step).
 
         A collective: every rank must call it after each synced backward, before the optimizer
-        step. A no-op inside ``no_sync()`` and at world size 1.
+        step. A no-op inside ``no_sync()`` and, replicated, at world size 1. With ``shard="optimizer"``
+        only this rank's slice of each bucket is averaged (the sharded optimizer steps it).
         """
-        if self._skip or self.world_size == 1:
+        if self._skip or (self.world_size == 1 and self.shard == "none"):
             return
         while self._next_bucket < len(self.buckets):  # buckets whose gradients did not all arrive
             self._launch(self.buckets[self._next_bucket])
             self._next_bucket += 1
         for b in self.buckets:  # every group's work (on NCCL the current stream waits for each)
-            b.work.wait()
-            b.work = None
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
             if b.comp is not None:
                 b.flat.copy_(b.comp)
             b.pending = len(b.slots)
+        if self.shard == "optimizer":
+            sharded_optimizer.reduce_marks(self)  # used marks and the squared norm of the averaged shard
         if self._announced is not None:
             self._announced.wait()
             self._announced = None
@@ -294,6 +344,8 @@ class GradSync:
                     "GradSync: requires_grad changed inside sync.join() "
                     f"({', '.join(self._name(p) for p in frozen + thawed)}); change it outside join()"
                 )
+            if self.shard == "optimizer":
+                sharded_optimizer.gather_grads(self)  # the rebuild moves whole gradients, not only this shard
             self._follow_requires_grad()
         if not self._rebuilt:
             self._rebuild()
@@ -402,7 +454,8 @@ class GradSync:
             flat = torch.cat([t.reshape(-1) for t in parts] + [marks.to(parts[0].device)])
             if self._prediv:
                 flat.div_(self.world_size)
-            dist.all_reduce(flat, op=self._op)
+            if self.world_size > 1:
+                dist.all_reduce(flat, op=self._op)
             sizes = [s.param.numel() for s in group] + [len(group)]
             *values, reduced_marks = flat.split(sizes)
             for s, v, m in zip(group, values, reduced_marks.tolist()):
@@ -466,11 +519,18 @@ class GradSync:
                 group = None
                 if self.comm_groups > 1:
                     group = collectives.comm_groups(self.comm_groups)[b.index % self.comm_groups]
-                works.append(dist.all_reduce(payload, op=self._op, group=group, async_op=True))
+                if self.shard == "optimizer":
+                    works.append(sharded_optimizer.reduce_scatter(payload, self._op, group))
+                else:
+                    works.append(dist.all_reduce(payload, op=self._op, group=group, async_op=True))
             for w in works:
                 w.wait()
+            if self.shard == "optimizer":
+                sharded_optimizer.shadow_step(self)  # the marks, then this rank's part of the optimizer step
             if not self._rebuilt:
                 self._rebuild()  # the active ranks rebuild after their first synced step
+        if self._sharded_optimizer is not None:
+            self._sharded_optimizer.finish_param_gather()  # the parameters are read below
         self._take_last_joiner(last)
 
     @torch.no_grad()
@@ -525,8 +585,34 @@ class GradSync:
         collectives.sync_buffers(self.model)
 
     def bucket_sizes(self) -> list[int]:
-        """Bytes of each bucket's gradients (without its used marks), in launch order."""
-        return [(b.flat.numel() - len(b.slots)) * b.flat.element_size() for b in self.buckets]
+        """Bytes of each bucket's gradients (without its used marks; sharded: with its padding), in launch order."""
+        marks = 0 if self.shard == "optimizer" else 1
+        return [(b.flat.numel() - marks * len(b.slots)) * b.flat.element_size() for b in self.buckets]
+
+    def sharded_optimizer(
+        self,
+        optimizer_class: type[torch.optim.Optimizer],
+        params,
+        *,
+        overlap_param_gather: bool = False,
+        **kwargs,
+    ) -> sharded_optimizer.ShardedOptimizer:
+        """The optimizer for ``shard="optimizer"``: ``optimizer_class(params, **kwargs)`` stepping this
+        rank's shard of fp32 parameters (see distlib.sharded_optimizer.ShardedOptimizer)."""
+        return sharded_optimizer.ShardedOptimizer(
+            self, optimizer_class, params, overlap_param_gather=overlap_param_gather, **kwargs
+        )
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that their global L2 norm is at most ``max_norm``; returns the norm
+        before clipping (a device tensor, as torch.nn.utils.clip_grad_norm_). Call it after ``wait()``.
+        The norm is over every rank's gradients: replicated, the ranks' (equal) gradients; with
+        ``shard="optimizer"``, every shard's, computed in ``wait()``. No host sync (capturable)."""
+        if self.shard == "optimizer":
+            return sharded_optimizer.clip_shards(self, max_norm)
+        params = [p for p in self.params if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True if params else None)
 
     def close(self) -> None:
         """Remove the hooks (the gradients stay where they are)."""
