@@ -38,10 +38,11 @@ def capture_problem(device: torch.device, optimizer: torch.optim.Optimizer, grad
     cls = getattr(optimizer, "optimizer_class", type(optimizer))  # a ShardedOptimizer steps this class
     if issubclass(cls, torch.optim.SGD) and not all(g.get("fused") for g in optimizer.param_groups):
         return "SGD must be built with fused=True (its foreach path reads a tensor lr with .item())"
+    # torch's own capture check asks every group for capturable=True, fused or not
     if issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)) and not all(
-        g.get("fused") or g.get("capturable") for g in optimizer.param_groups
+        g.get("capturable") for g in optimizer.param_groups
     ):
-        return f"{cls.__name__} must be built with fused=True or capturable=True"
+        return f"{cls.__name__} must be built with capturable=True (fused=True as well, for speed)"
     return None
 
 

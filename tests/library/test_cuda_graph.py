@@ -28,9 +28,10 @@ def test_capture_problem_names_the_reason():
     adam = torch.optim.Adam(nn.Linear(2, 2).parameters())
     assert "capturable=True" in capture_problem(CUDA, adam)
     assert capture_problem(CUDA, _sgd(True)) is None
-    # either flag is enough for Adam and AdamW (capturable alone keeps the step on the device)
+    # Adam and AdamW need capturable=True, fused or not: torch's capture check asks for it
     for cls in (torch.optim.Adam, torch.optim.AdamW):
         assert capture_problem(CUDA, cls(nn.Linear(2, 2).parameters(), capturable=True)) is None, cls
+        assert "capturable=True" in capture_problem(CUDA, cls(nn.Linear(2, 2).parameters(), fused=True)), cls
 
 
 def test_cpu_falls_back_to_eager_with_a_warning(caplog):

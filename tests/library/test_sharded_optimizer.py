@@ -465,7 +465,9 @@ def _graph_vs_eager(ctx, dtype: torch.dtype = torch.float32, steps: int = 8) -> 
         model.unused, model.branch = None, None
         model = model.to(device=device, dtype=dtype)
         sync = GradSync(model, shard="optimizer", **TINY)
-        opt = sync.sharded_optimizer(torch.optim.AdamW, _groups(model), lr=0.02, weight_decay=0.1, fused=True)
+        opt = sync.sharded_optimizer(
+            torch.optim.AdamW, _groups(model), lr=0.02, weight_decay=0.1, fused=True, capturable=True
+        )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
 
         def loss_fn(x, y, model=model):
@@ -533,7 +535,7 @@ def test_capture_problem_checks_the_class_the_sharded_optimizer_steps():
     model = nn.Linear(4, 4)
     sync = GradSync(model, shard="optimizer")
     opt = sync.sharded_optimizer(torch.optim.AdamW, model.parameters(), lr=0.1)
-    assert "AdamW must be built with fused=True" in capture_problem(torch.device("cuda"), opt)
+    assert "AdamW must be built with capturable=True" in capture_problem(torch.device("cuda"), opt)
 
 
 def _bf16_case(ctx) -> dict:
