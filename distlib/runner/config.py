@@ -59,7 +59,6 @@ class LossConfig:
 
 @dataclass
 class TrainConfig:
-    task: Literal["auto", "classification", "causal_lm"] = "auto"  # auto: causal_lm for byte_text data or gpt
     epochs: int = 10  # passes over the training set
     batch_size: int = 512  # global: divided evenly over the ranks (causal_lm: sequences of block_size tokens)
     optimizer: Literal["sgd", "adamw"] = "sgd"  # SGD with momentum, or AdamW (fused on CUDA)
@@ -85,6 +84,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model (buckets still overlapped; inside the graph with cuda_graph)
     prewarm_steps: int = 5  # on a GPU: steps run, then undone, before the clock (autotuning, graph capture)
     cudnn_benchmark: bool = True  # on a GPU: cuDNN tries its algorithms for each convolution (in the warm-up)
+    task: Literal["auto", "classification", "causal_lm"] = "auto"  # auto: causal_lm for byte_text data or gpt
     peak_tflops: float = 0.0  # dense bf16 TFLOP/s of one GPU for MFU; 0 = from the GPU's name (none on a CPU)
     sample_tokens: int = 200  # causal_lm: bytes generated from the final model, printed and in summary.json
 
@@ -305,6 +305,7 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         "train.momentum": cfg.train.momentum,
         "train.beta1": cfg.train.beta1,
         "train.beta2": cfg.train.beta2,
+        "train.min_lr_frac": cfg.train.min_lr_frac,
     }.items():
         if value is not None and not 0.0 <= value < 1.0:
             problems.append(f"{path}: must be in [0, 1), got {value!r}")
@@ -314,8 +315,6 @@ def _validate(cfg: Config, problems: list[str]) -> None:
             "train.precision=fp16 with train.cuda_graph=true: the fp16 loss scaler cannot run inside a captured "
             "step; use train.precision=bf16 (no scaler needed) or train.cuda_graph=false"
         )
-    if not 0.0 <= cfg.train.min_lr_frac <= 1.0:
-        problems.append(f"train.min_lr_frac: must be in [0, 1], got {cfg.train.min_lr_frac!r}")
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         problems.append("run.tensorboard=true: the tensorboard package is not installed; "
                         "pip install 'distlib[tensorboard]', or set run.tensorboard=false")  # fmt: skip

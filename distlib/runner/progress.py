@@ -72,11 +72,10 @@ class _LossReader:
         return self.value
 
 
-def _headline(row: dict[str, Any]) -> str:
-    """The evaluation of a metrics row, as the progress line shows it."""
-    if "val_loss" in row:
-        return "val_loss -" if row["val_loss"] is None else f"val_loss {row['val_loss']:.4f}"
-    return "acc -" if row.get("test_acc") is None else f"acc {row['test_acc']:.4f}"
+def _headline(row: dict[str, Any]) -> tuple[str, str]:
+    """The evaluation of a metrics row as the progress line shows it: (label, value)."""
+    key, label = ("val_loss", "val_loss") if "val_loss" in row else ("test_acc", "acc")
+    return label, "-" if row.get(key) is None else f"{row[key]:.4f}"
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -193,6 +192,7 @@ class TrainingProgress:
         self.epoch_step = start_step
         self._epoch_first = start_step  # the epoch's steps before this run: not in its rate
         self.acc: str | None = None  # the last evaluation, as shown
+        self.metric = "val_loss" if unit == "tok" else "acc"  # its label
         self.t_start = self.t_epoch = self.clock()
         self._next_draw = self.t_start + self.refresh_s
         self._next_plain = self.t_start + self.plain_every_s
@@ -206,7 +206,7 @@ class TrainingProgress:
                 TextColumn("step {task.fields[step]}"),
                 TextColumn("{task.fields[rate]} " + unit + "/s"),
                 TextColumn("loss {task.fields[loss]}"),
-                TextColumn("{task.fields[acc]}"),
+                TextColumn("{task.fields[metric]} {task.fields[acc]}"),
                 TextColumn("{task.fields[elapsed]} elapsed, [bold]{task.fields[left]}[/] left"),
                 console=self.console,
                 auto_refresh=False,  # we redraw from step(), so no thread competes with the loop
@@ -242,12 +242,14 @@ class TrainingProgress:
         if not self._started:
             return
         now = self.clock()
-        if row.get("test_acc") is not None or row.get("val_loss") is not None:
-            self.acc = _headline(row)
+        label, value = _headline(row)
+        self.metric = label
+        if value != "-":
+            self.acc = value
         rate = row.get("tokens_per_s", row.get("images_per_s", row.get("samples_per_s", 0)))
         mfu = f"  MFU {100 * row['mfu']:.1f}%" if row.get("mfu") is not None else ""
         line = (
-            f"epoch {row['epoch']}/{self.epochs}  loss {row['train_loss']:.4f}  {_headline(row)}  "
+            f"epoch {row['epoch']}/{self.epochs}  loss {row['train_loss']:.4f}  {label} {value}  "
             f"{rate:,.0f} {self.unit}/s{mfu}  {format_duration(now - self.t_start)} elapsed, "
             f"{format_duration(self._left(now))} left"
         )
@@ -315,7 +317,8 @@ class TrainingProgress:
             "step": f"{self.epoch_step}/{self.steps_per_epoch}",
             "rate": "-" if rate != rate else f"{rate:,.0f}",
             "loss": "-" if loss != loss else f"{loss:.4f}",
-            "acc": "acc -" if self.acc is None else self.acc,
+            "metric": self.metric,
+            "acc": "-" if self.acc is None else self.acc,
             "elapsed": format_duration(now - self.t_start),
             "left": format_duration(self._left(now)),
         }
