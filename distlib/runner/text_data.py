@@ -83,11 +83,11 @@ class TokenLoader:
         perm = torch.randperm(self.windows, generator=g)
         steps, b, t = self.steps_per_epoch, self.batch_size, self.block_size
         idx = perm[: steps * b * self.world_size].view(steps, self.world_size, b)[:, self.rank].reshape(-1)
-        starts = (offset + idx * t).to(self.device)
-        windows = self.tokens[starts.view(-1, 1) + torch.arange(t + 1, device=self.device)].long()
+        starts = (offset + idx * t).to(self.device).view(steps, b, 1)
+        span = torch.arange(t + 1, device=self.device)
         self.epoch += 1
-        for step in range(steps):
-            w = windows[step * b : (step + 1) * b]
+        for step in range(steps):  # one gather a step: an epoch of a large corpus need not fit in memory at once
+            w = self.tokens[starts[step] + span].long()
             yield w[:, :-1], w[:, 1:]
 
 

@@ -52,7 +52,8 @@ def needs_depth(num_classes: int, depth: int):  # a model factory with an argume
 
 def test_a_missing_required_argument_names_the_key_to_add():
     (missing,) = problems("model.name=tests.runner.test_components:needs_depth", recipe=None)
-    assert missing == "model.args: tests.runner.test_components:needs_depth needs the argument 'depth'; add model.args.depth"
+    name = "tests.runner.test_components:needs_depth"
+    assert missing == f"model.args: {name} needs the argument 'depth'; add model.args.depth"
 
 
 def test_registered_names_resolve_to_the_built_in_components():

@@ -60,7 +60,8 @@ def test_unknown_key_gives_dotted_path_and_valid_keys(tmp_path):
     (p,) = problems(write(tmp_path, "data:\n  augment:\n    flips: none\n"))
     assert p == "data.augment.flips: unknown key (valid keys here: crop_pad, flip, cutout); did you mean 'flip'?"
     (p,) = problems(write(tmp_path, "trian:\n  epochs: 3\n"))
-    assert p == "trian: unknown key (valid keys here: data, model, loss, train, dist, run, profile); did you mean 'train'?"
+    sections = "data, model, loss, train, dist, run, profile"
+    assert p == f"trian: unknown key (valid keys here: {sections}); did you mean 'train'?"
     (p,) = problems(None, ["model.zzz=1"])  # nothing close: no guess
     assert p == "model.zzz: unknown key (valid keys here: name, args, width, num_classes, channels_last)"
 
