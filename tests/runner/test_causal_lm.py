@@ -167,3 +167,23 @@ def test_the_gpt_demo_loss_falls_at_two_ranks_in_under_a_minute(tmp_path):
     assert "final validation loss" in proc.stdout and "perplexity" in proc.stdout
     assert "sample from the final model" in proc.stderr and summary["sample"] in proc.stderr
     assert summary["final_val_ppl"] == rows[-1]["val_ppl"]
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [["train.compile=true"], ["train.cuda_graph=true"]],
+    ids=["compiled", "cuda_graph"],
+)
+def test_the_gpt_demo_on_two_gpus_reports_mfu_and_each_ranks_peak_memory(tmp_path, overrides):
+    """On GPUs: bf16, fused AdamW (capturable inside a CUDA graph), the model compiled with its
+    buckets overlapped or the step captured; the loss falls as on the CPU; every row has the MFU
+    (the GPU's peak from its name, or a stand-in) and each rank's peak memory."""
+    out = tmp_path / "gpt-gpu"
+    launch([DEMO, f"run.out_dir={out}", "run.progress=plain", "train.precision=bf16", "train.peak_tflops=100",
+            *overrides], nproc=2, timeout=400)  # fmt: skip
+    rows = metrics(out)
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.15 and rows[0]["val_loss"] < 3.0, rows
+    for row in rows:
+        assert row["mfu"] > 0 and len(row["peak_mem_gib"]) == 2 and min(row["peak_mem_gib"]) > 0, row
