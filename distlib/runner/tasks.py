@@ -120,12 +120,14 @@ class ClassificationTask(Task):
 
     def _build_images(self) -> None:
         cfg, ctx = self.cfg, self.ctx
+        d = cfg.data
+        kwargs = {"root": d.root, "download": d.download, "cache_dir": d.cache_dir, **d.args}  # args win
         with shared_errors(DataError):  # bad data: every rank stops with the same message
             if ctx.local_rank == 0:  # one decode per node; the others read the cache it leaves
-                images = load_image_set(cfg.data.root, download=cfg.data.download, cache_dir=cfg.data.cache_dir)
+                images = load_image_set(**kwargs)
         with shared_errors(DataError):
             if ctx.local_rank != 0:
-                images = load_image_set(cfg.data.root, download=False, cache_dir=cfg.data.cache_dir)
+                images = load_image_set(**{**kwargs, "download": False})
         self.timeline.mark("data")
         self.timeline.note(data_source=images.source, **{f"data_{k}": round(v, 3) for k, v in images.timings.items()})
         x_train, y_train = images.x_train, images.y_train
