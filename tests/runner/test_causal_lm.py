@@ -151,6 +151,32 @@ def test_training_is_a_plain_torch_loop_with_adamw_and_a_cosine_schedule(tmp_pat
     assert summary["sample"].startswith(summary["sample_prompt"]) and len(summary["sample"]) > 32
 
 
+def token_windows(block_size: int = 16) -> tuple:
+    """A user's own language-model data set: (input, target) windows of the demo text."""
+    text = load_byte_text(os.path.join(ROOT, "data", "shakespeare-demo", "shakespeare.txt.gz"), block_size=block_size)
+
+    def windows(tokens, n):
+        w = tokens[: n * block_size + 1].long()
+        return torch.utils.data.TensorDataset(w[:-1].view(n, block_size), w[1:].view(n, block_size))
+
+    return windows(text.train, 64), windows(text.val, 16)
+
+
+def test_a_users_own_token_data_set_trains_a_language_model_through_distributed_loader(tmp_path, world_size_1):
+    overrides = ["data.name=tests.runner.test_causal_lm:token_windows", "data.train_subset=0", "data.args.block_size=16",
+                 f"run.out_dir={tmp_path}", "train.sample_tokens=0"]  # fmt: skip
+    cfg = load_config(DEMO, [*SMALL, *overrides])
+    with built(cfg, distlib.init("gloo")) as trainer:
+        assert trainer.task.name == "causal_lm" and isinstance(trainer.loader, distlib.EpochLoader)
+        assert trainer.model.cfg.block_size == 16  # from the data set's samples
+        assert trainer.fit() == 0
+    rows = metrics(tmp_path)
+    assert len(trainer.loader) == 64 // 8 and [r["epoch"] for r in rows] == [1, 2]
+    assert rows[-1]["val_loss"] < math.log(256) and rows[-1]["tokens_per_s"] == pytest.approx(
+        rows[-1]["samples_per_s"] * 16, rel=1e-3
+    )
+
+
 @pytest.mark.slow
 def test_the_gpt_demo_loss_falls_at_two_ranks_in_under_a_minute(tmp_path):
     """What `recipes/gpt_demo.yaml` promises, on two CPU processes: the validation loss falls far
