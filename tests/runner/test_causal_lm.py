@@ -163,8 +163,8 @@ def token_windows(block_size: int = 16) -> tuple:
 
 
 def test_a_users_own_token_data_set_trains_a_language_model_through_distributed_loader(tmp_path, world_size_1):
-    overrides = ["data.name=tests.runner.test_causal_lm:token_windows", "data.train_subset=0", "data.args.block_size=16",
-                 f"run.out_dir={tmp_path}", "train.sample_tokens=0"]  # fmt: skip
+    overrides = ["data.name=tests.runner.test_causal_lm:token_windows", "data.train_subset=0",
+                 "data.args.block_size=16", f"run.out_dir={tmp_path}", "train.sample_tokens=0"]  # fmt: skip
     cfg = load_config(DEMO, [*SMALL, *overrides])
     with built(cfg, distlib.init("gloo")) as trainer:
         assert trainer.task.name == "causal_lm" and isinstance(trainer.loader, distlib.EpochLoader)
