@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import inspect
 import math
 import os
@@ -31,7 +32,9 @@ class AugmentConfig:
 
 @dataclass
 class DataConfig:
-    root: str = "data/cifar10-demo"  # torchvision CIFAR-10 folder, or an ImageFolder with train/ and test/
+    name: str = "image_folder"  # image_folder, byte_text (a .txt/.txt.gz), or package.module:callable -> (train, val)
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the data set (byte_text: block_size)
+    root: str = "data/cifar10-demo"  # image_folder: CIFAR-10 or ImageFolder with train/, test/; byte_text: the file
     download: bool = False  # let torchvision download CIFAR-10 into root when it is missing
     cache_dir: str = ""  # where the decoded uint8 tensors are kept; "" = $XDG_CACHE_HOME/distlib or ~/.cache/distlib
     train_subset: int = 0  # use only the first N training images (0 = all)
@@ -41,23 +44,34 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: Literal["resnet18_cifar", "small_cnn"] = "resnet18_cifar"  # resnet18_cifar: 3x3 stem, no max-pool
-    width: int = 64  # base channel count of small_cnn
-    num_classes: int = 10  # must match the data set
+    name: str = "resnet18_cifar"  # resnet18_cifar (3x3 stem, no max-pool), small_cnn, gpt, or package.module:callable
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the model (gpt: n_layer, n_embd, ...)
+    width: int = 64  # base channel count of small_cnn (given to any model that takes `width`)
+    num_classes: int = 10  # must match the data set (given to any model that takes `num_classes`)
     channels_last: bool = True  # NHWC memory format: faster convolutions on GPUs
+
+
+@dataclass
+class LossConfig:
+    name: str = "cross_entropy"  # cross_entropy, or package.module:callable (outputs, targets) -> mean loss
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments bound to the loss
 
 
 @dataclass
 class TrainConfig:
     epochs: int = 10  # passes over the training set
-    batch_size: int = 512  # global: divided evenly over the ranks
-    optimizer: Literal["sgd"] = "sgd"  # SGD with momentum
+    batch_size: int = 512  # global: divided evenly over the ranks (causal_lm: sequences of block_size tokens)
+    optimizer: Literal["sgd", "adamw"] = "sgd"  # SGD with momentum, or AdamW (fused on CUDA)
     lr: float = 0.4  # peak learning rate for the global batch
     momentum: float = 0.9  # SGD momentum
     nesterov: bool = True  # Nesterov momentum
-    weight_decay: float = 5e-4  # not applied to BatchNorm weights and biases
-    label_smoothing: float = 0.2  # of the cross-entropy targets
-    warmup_frac: float = 0.15  # linear warm-up over this fraction of the steps, then linear decay to 0
+    beta1: float = 0.9  # AdamW's decay of the gradient average
+    beta2: float = 0.95  # AdamW's decay of the squared-gradient average
+    weight_decay: float = 5e-4  # not applied to norm weights, biases or embeddings
+    label_smoothing: float = 0.2  # of the cross-entropy targets (given to any loss that takes `label_smoothing`)
+    warmup_frac: float = 0.15  # linear warm-up over this fraction of the steps, then the decay to min_lr_frac * lr
+    schedule: Literal["linear", "cosine"] = "linear"  # shape of the decay after the warm-up
+    min_lr_frac: float = 0.0  # the rate at the last step, as a fraction of lr
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"  # autocast dtype; bf16 is fp32 on CPU; fp16 adds a loss scaler
     clip_grad_norm: float = 0.0  # clip the global gradient norm (after averaging) to this; 0 = off
     grad_accum: int = 1  # micro-steps per optimizer step (communication only on the last)
@@ -70,6 +84,9 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model (buckets still overlapped; inside the graph with cuda_graph)
     prewarm_steps: int = 5  # on a GPU: steps run, then undone, before the clock (autotuning, graph capture)
     cudnn_benchmark: bool = True  # on a GPU: cuDNN tries its algorithms for each convolution (in the warm-up)
+    task: Literal["auto", "classification", "causal_lm"] = "auto"  # auto: causal_lm for byte_text data or gpt
+    peak_tflops: float = 0.0  # dense bf16 TFLOP/s of one GPU for MFU; 0 = from the GPU's name (none on a CPU)
+    sample_tokens: int = 200  # causal_lm: bytes generated from the final model, printed and in summary.json
 
 
 @dataclass
@@ -98,12 +115,14 @@ class RunConfig:
     keep_checkpoints: int = 3
     resume: bool = True  # continue from the newest checkpoint in out_dir
     progress: Literal["auto", "rich", "plain"] = "auto"  # auto: a live bar on a terminal, plain lines otherwise
+    tensorboard: bool = False  # also write TensorBoard event files to out_dir (needs 'distlib[tensorboard]')
 
 
 @dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -121,7 +140,18 @@ class ConfigError(DistlibError, ValueError):
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is dict:
+        return "a mapping of keyword arguments"
     return getattr(tp, "__name__", str(tp))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every command-line value inside it read as YAML."""
+    if isinstance(value, _OverrideValue):
+        return value.parsed
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 _EXPONENT_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
@@ -148,7 +178,11 @@ class _OverrideValue:
 
 def _coerce(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
     """Return ``value`` as ``tp``, or record a problem and return None."""
-    if typing.get_origin(tp) is Literal:
+    if typing.get_origin(tp) is dict:
+        value = _plain(value)
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return value
+    elif typing.get_origin(tp) is Literal:
         if value in typing.get_args(tp):
             return value
     elif tp is bool:
@@ -198,7 +232,9 @@ def _apply(obj: Any, data: Any, prefix: str, problems: list[str]) -> None:
         if isinstance(value, _OverrideValue):
             value = value.for_type(tp)
         coerced = _coerce(value, tp, path, problems)
-        if coerced is not None:
+        if coerced is not None and typing.get_origin(tp) is dict:
+            setattr(obj, key, {**getattr(obj, key), **coerced})  # a.args.b=value adds to the recipe's args
+        elif coerced is not None:
             setattr(obj, key, coerced)
 
 
@@ -256,6 +292,8 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         "train.prewarm_steps": cfg.train.prewarm_steps,
         "train.tta_translate": cfg.train.tta_translate,
         "train.clip_grad_norm": cfg.train.clip_grad_norm,
+        "train.peak_tflops": cfg.train.peak_tflops,
+        "train.sample_tokens": cfg.train.sample_tokens,
     }
     for path, value in non_negative.items():
         if value is not None and value < 0:
@@ -265,6 +303,9 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         "train.ema": cfg.train.ema,
         "train.label_smoothing": cfg.train.label_smoothing,
         "train.momentum": cfg.train.momentum,
+        "train.beta1": cfg.train.beta1,
+        "train.beta2": cfg.train.beta2,
+        "train.min_lr_frac": cfg.train.min_lr_frac,
     }.items():
         if value is not None and not 0.0 <= value < 1.0:
             problems.append(f"{path}: must be in [0, 1), got {value!r}")
@@ -274,11 +315,48 @@ def _validate(cfg: Config, problems: list[str]) -> None:
             "train.precision=fp16 with train.cuda_graph=true: the fp16 loss scaler cannot run inside a captured "
             "step; use train.precision=bf16 (no scaler needed) or train.cuda_graph=false"
         )
+    if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        problems.append("run.tensorboard=true: the tensorboard package is not installed; "
+                        "pip install 'distlib[tensorboard]', or set run.tensorboard=false")  # fmt: skip
+    _check_components(cfg, problems)
     if cfg.train.compile and cfg.dist.mode == "fallback":
         problems.append(
             "train.compile=true with dist.mode=fallback: the fallback mode's replicas are not compiled; "
             "use dist.mode=process_per_gpu or train.compile=false"
         )
+
+
+def task_of(cfg: Config) -> str:
+    """train.task, with "auto" resolved: causal_lm for byte_text data or the gpt model, else classification."""
+    if cfg.train.task != "auto":
+        return cfg.train.task
+    return "causal_lm" if cfg.data.name == "byte_text" or cfg.model.name == "gpt" else "classification"
+
+
+# the keyword arguments the runner gives a component that takes them (runner/tasks.py), so a
+# component may need them without the recipe's args naming them
+PROVIDED = {
+    "model": ("num_classes", "width", "vocab_size", "block_size"),
+    "data": ("root", "download", "cache_dir"),
+    "loss": ("label_smoothing",),
+}
+
+
+def _check_components(cfg: Config, problems: list[str]) -> None:
+    """Each named component resolves and takes the recipe's arguments (runner/components.py)."""
+    from distlib.runner import components
+
+    for key, section in (("model", cfg.model), ("data", cfg.data), ("loss", cfg.loss)):
+        provided = dict.fromkeys(PROVIDED[key])
+        components.check(key, key, section.name, section.args, problems, provided=provided,
+                         positional=2 if key == "loss" else 0)  # fmt: skip
+    task = task_of(cfg)
+    if task == "causal_lm" and cfg.data.name == "image_folder":
+        problems.append("train.task=causal_lm with data.name=image_folder: a language model trains on text; "
+                        "set data.name=byte_text and data.root to a .txt or .txt.gz file")  # fmt: skip
+    if task == "classification" and cfg.data.name == "byte_text":
+        problems.append("train.task=classification with data.name=byte_text: byte_text is language-model data; "
+                        "use train.task=causal_lm (or auto)")  # fmt: skip
 
 
 def load_config(recipe: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
@@ -363,6 +441,8 @@ def _field_comments(cls: type) -> dict[str, str]:
 def _show_type(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(f"`{a}`" for a in typing.get_args(tp))
+    if typing.get_origin(tp) is dict:
+        return "mapping"
     return tp.__name__
 
 

@@ -72,6 +72,12 @@ class _LossReader:
         return self.value
 
 
+def _headline(row: dict[str, Any]) -> tuple[str, str]:
+    """The evaluation of a metrics row as the progress line shows it: (label, value)."""
+    key, label = ("val_loss", "val_loss") if "val_loss" in row else ("test_acc", "acc")
+    return label, "-" if row.get(key) is None else f"{row[key]:.4f}"
+
+
 def summarize(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
     """(label, value) pairs of the end-of-run summary from metrics.jsonl rows."""
     if not rows:
@@ -84,6 +90,10 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
         final = last.get("test_acc")
         out.append(("final accuracy", "-" if final is None else f"{final:.4f}"))
         out.append(("best accuracy", f"{best['test_acc']:.4f} (epoch {best['epoch']})"))
+    validated = [r for r in rows if r.get("val_loss") is not None]
+    if validated:
+        v = validated[-1]
+        out.append(("final validation loss", f"{v['val_loss']:.4f} (perplexity {v['val_ppl']:.2f})"))
     out.append(("final train loss", f"{last['train_loss']:.4f}"))
     out.append(("epochs", str(last["epoch"])))
     if "train_s" in last:
@@ -95,6 +105,14 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
     if timed:
         images = sum(r["images_per_s"] * r["epoch_s"] for r in timed)
         out.append(("images/s", f"{images / sum(r['epoch_s'] for r in timed):,.0f}"))
+    timed = [r for r in rows if r.get("epoch_s") and r.get("tokens_per_s")]
+    if timed:
+        tokens = sum(r["tokens_per_s"] * r["epoch_s"] for r in timed)
+        out.append(("tokens/s", f"{tokens / sum(r['epoch_s'] for r in timed):,.0f}"))
+    if last.get("mfu") is not None:
+        out.append(("MFU (last epoch)", f"{100 * last['mfu']:.1f}%"))
+    if last.get("peak_mem_gib"):
+        out.append(("peak GPU memory (GiB/rank)", " ".join(f"{g:.1f}" for g in last["peak_mem_gib"])))
     if "world_size" in last:
         out.append(("world size", str(last["world_size"])))
     return out
@@ -150,12 +168,21 @@ class TrainingProgress:
     # -- the loop's calls ------------------------------------------------------------
 
     def start(
-        self, *, epochs: int, steps_per_epoch: int, images_per_step: int, start_epoch: int = 1, start_step: int = 0
+        self,
+        *,
+        epochs: int,
+        steps_per_epoch: int,
+        images_per_step: int,
+        start_epoch: int = 1,
+        start_step: int = 0,
+        unit: str = "img",
     ) -> None:
-        """Begin the display; ``images_per_step`` is the global batch (all ranks). A resumed run
-        starts at epoch ``start_epoch`` (from 1), ``start_step`` steps into it."""
+        """Begin the display; ``images_per_step`` is the global batch (all ranks), counted in
+        ``unit`` ("img"; "tok": tokens of the batch's sequences). A resumed run starts at epoch
+        ``start_epoch`` (from 1), ``start_step`` steps into it."""
         if not self.enabled:
             return
+        self.unit = unit
         self.epochs = epochs
         self.steps_per_epoch = steps_per_epoch
         self.images_per_step = images_per_step
@@ -164,7 +191,8 @@ class TrainingProgress:
         self.done = 0  # steps in this run
         self.epoch_step = start_step
         self._epoch_first = start_step  # the epoch's steps before this run: not in its rate
-        self.acc: float | None = None
+        self.acc: str | None = None  # the last evaluation, as shown
+        self.metric = "val_loss" if unit == "tok" else "acc"  # its label
         self.t_start = self.t_epoch = self.clock()
         self._next_draw = self.t_start + self.refresh_s
         self._next_plain = self.t_start + self.plain_every_s
@@ -176,9 +204,9 @@ class TrainingProgress:
                 TextColumn("[bold]epoch {task.fields[epoch]}"),
                 BarColumn(),
                 TextColumn("step {task.fields[step]}"),
-                TextColumn("{task.fields[rate]} img/s"),
+                TextColumn("{task.fields[rate]} " + unit + "/s"),
                 TextColumn("loss {task.fields[loss]}"),
-                TextColumn("acc {task.fields[acc]}"),
+                TextColumn("{task.fields[metric]} {task.fields[acc]}"),
                 TextColumn("{task.fields[elapsed]} elapsed, [bold]{task.fields[left]}[/] left"),
                 console=self.console,
                 auto_refresh=False,  # we redraw from step(), so no thread competes with the loop
@@ -214,18 +242,21 @@ class TrainingProgress:
         if not self._started:
             return
         now = self.clock()
-        if row.get("test_acc") is not None:
-            self.acc = row["test_acc"]
-        acc = "-" if row.get("test_acc") is None else f"{row['test_acc']:.4f}"
+        label, value = _headline(row)
+        self.metric = label
+        if value != "-":
+            self.acc = value
+        rate = row.get("tokens_per_s", row.get("images_per_s", row.get("samples_per_s", 0)))
+        mfu = f"  MFU {100 * row['mfu']:.1f}%" if row.get("mfu") is not None else ""
         line = (
-            f"epoch {row['epoch']}/{self.epochs}  loss {row['train_loss']:.4f}  acc {acc}  "
-            f"{row.get('images_per_s', 0):,.0f} img/s  {format_duration(now - self.t_start)} elapsed, "
+            f"epoch {row['epoch']}/{self.epochs}  loss {row['train_loss']:.4f}  {label} {value}  "
+            f"{rate:,.0f} {self.unit}/s{mfu}  {format_duration(now - self.t_start)} elapsed, "
             f"{format_duration(self._left(now))} left"
         )
         if self._bar is not None:
             self._bar.console.print(line)
             fields = self._fields(now)  # the finished epoch stays on the bar until the next step
-            fields["rate"] = f"{row.get('images_per_s', 0):,.0f}"
+            fields["rate"] = f"{rate:,.0f}"
             self._bar.update(self._task, completed=self.done, **fields)
             self._bar.refresh()
         else:
@@ -286,7 +317,8 @@ class TrainingProgress:
             "step": f"{self.epoch_step}/{self.steps_per_epoch}",
             "rate": "-" if rate != rate else f"{rate:,.0f}",
             "loss": "-" if loss != loss else f"{loss:.4f}",
-            "acc": "-" if self.acc is None else f"{self.acc:.4f}",
+            "metric": self.metric,
+            "acc": "-" if self.acc is None else self.acc,
             "elapsed": format_duration(now - self.t_start),
             "left": format_duration(self._left(now)),
         }
@@ -294,7 +326,7 @@ class TrainingProgress:
     def _line(self, now: float) -> str:
         f = self._fields(now)
         return (
-            f"epoch {f['epoch']} step {f['step']}  loss {f['loss']}  {f['rate']} img/s  "
+            f"epoch {f['epoch']} step {f['step']}  loss {f['loss']}  {f['rate']} {self.unit}/s  "
             f"{f['elapsed']} elapsed, {f['left']} left"
         )
 

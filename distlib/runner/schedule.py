@@ -1,6 +1,9 @@
-"""Learning-rate schedule (linear warm-up, then linear decay to zero) and the weight EMA's decay ramp."""
+"""Learning-rate schedule (linear warm-up, then a linear or cosine decay to ``min_frac`` of the
+peak) and the weight EMA's decay ramp."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -8,20 +11,25 @@ import torch
 class WarmupLinear:
     """Multiplier of the peak rate at optimizer step ``step`` (for LambdaLR)."""
 
-    def __init__(self, total_steps: int, warmup_frac: float):
+    def __init__(self, total_steps: int, warmup_frac: float, shape: str = "linear", min_frac: float = 0.0):
         self.total = max(1, total_steps)
         self.warmup = int(warmup_frac * self.total)
+        self.shape, self.min_frac = shape, min_frac
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:
             return (step + 1) / self.warmup
-        return max(0.0, (self.total - step) / max(1, self.total - self.warmup))
+        left = max(0.0, (self.total - step) / max(1, self.total - self.warmup))  # 1 after the warm-up, 0 at the end
+        if self.shape == "cosine":
+            left = 0.5 * (1.0 - math.cos(math.pi * left))
+        return self.min_frac + (1.0 - self.min_frac) * left
 
 
 def warmup_linear(
-    optimizer: torch.optim.Optimizer, total_steps: int, warmup_frac: float
-) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupLinear(total_steps, warmup_frac))
+    optimizer: torch.optim.Optimizer, total_steps: int, warmup_frac: float, shape: str = "linear",
+    min_frac: float = 0.0,
+) -> torch.optim.lr_scheduler.LambdaLR:  # fmt: skip
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupLinear(total_steps, warmup_frac, shape, min_frac))
 
 
 def ema_decay(decay: float, step: int) -> float:

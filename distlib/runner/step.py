@@ -24,7 +24,6 @@ import functools
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import distlib
@@ -32,6 +31,7 @@ from distlib.comm_fallback import Replicas, node_devices
 from distlib.cuda_graph import build_train_step
 from distlib.process_group import Context, EnvError
 from distlib.runner.config import Config, ConfigError
+from distlib.runner.losses import cross_entropy
 from distlib.runner.optimizer_step import OptimizerStep, autocast_dtype
 from distlib.runner.warmup import warm_up
 
@@ -158,14 +158,18 @@ def build_step(
     optimizer: torch.optim.Optimizer,
     per_rank: int,
     post_step: Callable[[], None] | None = None,
+    loss_fn: LossFn | None = None,
 ) -> TrainStep:
     """The step for ``cfg.dist.mode``. ``per_rank``: this process's batch. ``post_step``: run after
-    each optimizer step (captured with it). A collective
+    each optimizer step (captured with it). ``loss_fn(outputs, targets)``: the task's mean loss
+    (default: cross-entropy with train.label_smoothing). A collective
     (GradSync and Replicas start from rank 0's weights): every rank must call it."""
     t = cfg.train
     dtype = autocast_dtype(t.precision, ctx.device)
     scaler = torch.amp.GradScaler(ctx.device.type) if dtype is torch.float16 else None
     update = OptimizerStep(optimizer, scaler=scaler, clip_grad_norm=t.clip_grad_norm)
+    if loss_fn is None:
+        loss_fn = functools.partial(cross_entropy, label_smoothing=t.label_smoothing)
     if cfg.dist.mode == "fallback":
         try:
             devices = node_devices(ctx.device, ctx.local_world_size)
@@ -176,7 +180,6 @@ def build_step(
             replicas.check_batch(per_rank, t.grad_accum)
         except ValueError as e:
             raise ConfigError([f"train.batch_size={t.batch_size} with dist.mode=fallback: {e}"]) from e
-        loss_fn = functools.partial(F.cross_entropy, label_smoothing=t.label_smoothing)
         return ReplicasStep(replicas, optimizer, loss_fn, update=update, autocast_dtype=dtype, grad_accum=t.grad_accum,
                             post_step=post_step)  # fmt: skip
 
@@ -188,7 +191,7 @@ def build_step(
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast:
-            return F.cross_entropy(net(x).float(), y, label_smoothing=t.label_smoothing)
+            return loss_fn(net(x), y)
 
     return GradSyncStep(model, optimizer, sync, loss_of, update=update, grad_accum=t.grad_accum,
                         cuda_graph=t.cuda_graph, post_step=post_step)  # fmt: skip

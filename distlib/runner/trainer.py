@@ -7,6 +7,8 @@
     finally:
         trainer.close(error)          # the one teardown, for success and every failure
 
+What it trains for (data, loss, evaluation, metrics) is the ``Task``'s business
+(runner/tasks.py): image classification or causal language modelling, chosen by ``build_task``.
 Where the run stands (epochs done, steps into the next, its clocks, this rank's loss sum)
 is a ``TrainState``, saved in every checkpoint, so a resumed run continues bit for bit.
 How gradients are synced is the ``TrainStep``'s business (runner/step.py): nothing here
@@ -26,14 +28,12 @@ import torch
 
 import distlib
 from distlib.checkpoint import Checkpointer, fingerprint
-from distlib.failures import abort, describe, shared_errors
+from distlib.failures import abort, describe
 from distlib.process_group import Context
+from distlib.runner import components
 from distlib.runner.config import Config, ConfigError, dump_yaml
-from distlib.runner.data import DataError, load_image_set
-from distlib.runner.device_loader import DeviceLoader, normalize_stats
 from distlib.runner.environment import bytecode_hint, environment_json
-from distlib.runner.evaluation import evaluate
-from distlib.runner.models import build_model, count_params, param_groups
+from distlib.runner.models import count_params, param_groups
 from distlib.runner.optimizer_step import autocast_dtype
 from distlib.runner.plots import CurvePlot
 from distlib.runner.profiling import StepProfiler
@@ -41,6 +41,9 @@ from distlib.runner.progress import TrainingProgress
 from distlib.runner.run_dir import RunDir
 from distlib.runner.schedule import ema_decay, warmup_linear
 from distlib.runner.step import TrainStep, build_step
+from distlib.runner.tasks import Task, build_task
+from distlib.runner.tensorboard_log import TensorBoardLog
+from distlib.runner.throughput import peak_memory_gib
 from distlib.runner.timeline import Timeline
 from distlib.stop import StopSignal
 from distlib.watchdog import Watchdog
@@ -48,15 +51,16 @@ from distlib.watchdog import Watchdog
 # may change on a resume: they do not change what the weights are
 _RESUME_FREE = {
     "train.eval_every", "train.tta", "train.tta_translate", "train.cuda_graph", "train.prewarm_steps",
-    "train.cudnn_benchmark", "train.compile",
+    "train.cudnn_benchmark", "train.compile", "train.peak_tflops", "train.sample_tokens",
 }  # fmt: skip
 
 
 def resume_settings(cfg: Config) -> dict:
     """The settings a checkpoint is valid for: model, optimizer and schedule, data order and augmentation."""
-    flat = {f"{sec}.{k}": v for sec in ("model", "train") for k, v in dataclasses.asdict(getattr(cfg, sec)).items()}
+    sections = ("model", "loss", "train")
+    flat = {f"{sec}.{k}": v for sec in sections for k, v in dataclasses.asdict(getattr(cfg, sec)).items()}
     flat |= {f"data.augment.{k}": v for k, v in dataclasses.asdict(cfg.data.augment).items()}
-    flat["data.train_subset"] = cfg.data.train_subset
+    flat |= {"data.train_subset": cfg.data.train_subset, "data.name": cfg.data.name, "data.args": cfg.data.args}
     return {k: v for k, v in flat.items() if k not in _RESUME_FREE}
 
 
@@ -108,6 +112,8 @@ class Trainer:
         self.profiler = StepProfiler(os.path.join(cfg.run.out_dir, "profile"), ctx.rank, ctx.device,
                                      enabled=p.enabled, wait=p.wait, warmup=p.warmup, active=p.active)  # fmt: skip
         self.step_fn: TrainStep | None = None
+        self.task: Task | None = None
+        self.tensorboard: TensorBoardLog | None = None
         self.stop: StopSignal | None = None
         # a rank that stops running (SIGSTOP, frozen host) is killed soon after its peers time out
         self.watchdog = Watchdog(cfg.dist.timeout_s, ctx.rank) if ctx.world_size > 1 else None
@@ -115,8 +121,8 @@ class Trainer:
     # ---- build ---------------------------------------------------------------------------
 
     def build(self) -> None:
-        """Data, model, training step, optimizer, schedule, EMA and run directory; then the
-        warm-up (on a GPU) and the resume from the newest checkpoint in run.out_dir."""
+        """Task (its data), model, training step, optimizer, schedule, EMA and run directory; then
+        the warm-up (on a GPU) and the resume from the newest checkpoint in run.out_dir."""
         cfg, ctx, t = self.cfg, self.ctx, self.cfg.train
         if t.batch_size % (ctx.world_size * t.grad_accum):
             raise ConfigError([f"train.batch_size={t.batch_size} must divide evenly over "
@@ -124,35 +130,33 @@ class Trainer:
         self.per_rank = t.batch_size // ctx.world_size
         if ctx.device.type == "cuda":
             torch.backends.cudnn.benchmark = t.cudnn_benchmark
-        self._build_data()
+        self.task = build_task(cfg, ctx, self.per_rank, self.timeline)  # its data loaded
+        self.loader = self.task.loader
         torch.manual_seed(t.seed)  # after the data: a first decode draws from the global generator
-        model = build_model(cfg.model.name, cfg.model.num_classes, cfg.model.width).to(ctx.device)
-        if cfg.model.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        self.model = model
-        self.optimizer = torch.optim.SGD(
-            param_groups(model, t.weight_decay), lr=t.lr, momentum=t.momentum, nesterov=t.nesterov,
-            fused=True if t.cuda_graph and ctx.device.type == "cuda" else None,  # graphs need fused
-        )  # fmt: skip
+        self.model = model = self.build_model()
+        self.optimizer = self.build_optimizer(model)
         # weight averaging: evaluate an EMA of the weights (and BN buffers) when train.ema > 0; the
         # step updates it after the optimizer, inside the CUDA graph when there is one
         self.ema = distlib.EMA(model, ema_decay(t.ema, 0)) if t.ema > 0 else None
         self.step_fn = build_step(cfg, ctx, model, self.optimizer, self.per_rank,
-                                  post_step=self.ema.update if self.ema is not None else None)  # fmt: skip
+                                  post_step=self.ema.update if self.ema is not None else None,
+                                  loss_fn=self.task.loss_fn())  # fmt: skip
         if self.ema is not None:
             self.ema.module.load_state_dict(model.state_dict())  # start from the weights the step broadcast
             self.step_fn.modules.append(self.ema.module)  # the warm-up puts the average back too
         self.timeline.mark("model")  # model, optimizer, gradient sync, graph set-up
-        self.scheduler = warmup_linear(self.optimizer, t.epochs * len(self.loader), t.warmup_frac)
+        self.scheduler = warmup_linear(self.optimizer, t.epochs * len(self.loader), t.warmup_frac, t.schedule,
+                                       t.min_lr_frac)  # fmt: skip
         dtype = autocast_dtype(t.precision, ctx.device)  # evaluation runs in the training's precision
         self.autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None)
         self.run = RunDir(cfg.run.out_dir, ctx.is_main)
         self.run.write_text("config.yaml", dump_yaml(cfg))
         self.run.write_text("environment.json", environment_json(ctx))  # a collective: every rank calls it
+        self.tensorboard = TensorBoardLog(self.run.path, enabled=cfg.run.tensorboard and ctx.is_main)
         self.log.info(
-            "%s: %d params, %d train / %d test images, global batch %d over %d rank(s), %d steps/epoch",
-            cfg.model.name, count_params(model), len(self.y_train), len(self.y_test), t.batch_size,
-            ctx.world_size, len(self.loader),
+            "%s (%s): %d params, %d train / %d evaluation samples, global batch %d over %d rank(s), %d steps/epoch",
+            cfg.model.name, self.task.name, count_params(model), self.task.train_size, self.task.eval_size,
+            t.batch_size, ctx.world_size, len(self.loader),
         )  # fmt: skip
         self.timeline.mark("run_dir")  # config.yaml, environment.json
         if ctx.device.type == "cuda":
@@ -161,43 +165,39 @@ class Trainer:
         self.resume()
         self.timeline.mark("resume")
 
-    def _build_data(self) -> None:
-        cfg, ctx = self.cfg, self.ctx
-        with shared_errors(DataError):  # bad data: every rank stops with the same message
-            if ctx.local_rank == 0:  # one decode per node; the others read the cache it leaves
-                images = load_image_set(cfg.data.root, download=cfg.data.download, cache_dir=cfg.data.cache_dir)
-        with shared_errors(DataError):
-            if ctx.local_rank != 0:
-                images = load_image_set(cfg.data.root, download=False, cache_dir=cfg.data.cache_dir)
-        self.timeline.mark("data")
-        self.timeline.note(data_source=images.source, **{f"data_{k}": round(v, 3) for k, v in images.timings.items()})
-        x_train, y_train = images.x_train, images.y_train
-        if cfg.data.train_subset:
-            x_train, y_train = x_train[: cfg.data.train_subset], y_train[: cfg.data.train_subset]
-        if len(y_train) < cfg.train.batch_size:
-            raise ConfigError([f"train.batch_size={cfg.train.batch_size} is more than the {len(y_train)} training "
-                               "images (data.train_subset or the data set): not one step per epoch"])  # fmt: skip
-        self.x_train, self.y_train = x_train, y_train
-        mean, std = normalize_stats(x_train)
-        device = ctx.device if cfg.data.on_device else torch.device("cpu")
-        aug = cfg.data.augment
-        self.loader = DeviceLoader(
-            x_train, y_train, batch_size=self.per_rank, rank=ctx.rank, world_size=ctx.world_size,
-            device=device, mean=mean, std=std, crop_pad=aug.crop_pad, flip=aug.flip,
-            cutout_size=aug.cutout, seed=cfg.train.seed, channels_last=cfg.model.channels_last,
-        )  # fmt: skip
-        self.x_test, self.y_test = images.x_test.to(device), images.y_test.to(device)
-        self.timeline.mark("loader")
+    def build_model(self) -> torch.nn.Module:
+        """The model of model.name with model.args (and what the task provides, when it takes
+        it), on this rank's device: the one place a model is made (a sharded model would be
+        built here on the meta device)."""
+        cfg = self.cfg
+        model = components.build("model", cfg.model.name, cfg.model.args, provided=self.task.model_inputs())
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError([f"model.name={cfg.model.name!r} returned {type(model).__name__}, not a torch.nn.Module"])
+        model = model.to(self.ctx.device)
+        if cfg.model.channels_last:  # changes 4-D (convolution) weights only
+            model = model.to(memory_format=torch.channels_last)
+        return model
+
+    def build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        """train.optimizer over the model's parameters, weight decay on the matrices only."""
+        t, cuda = self.cfg.train, self.ctx.device.type == "cuda"
+        groups = param_groups(model, t.weight_decay)
+        if t.optimizer == "adamw":
+            # fused: one kernel for every parameter; capturable: its step counter stays on the
+            # GPU, which a captured CUDA graph needs
+            return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True if cuda else None,
+                                     capturable=t.cuda_graph and cuda)  # fmt: skip
+        return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum, nesterov=t.nesterov,
+                               fused=True if t.cuda_graph and cuda else None)  # graphs need fused  # fmt: skip
 
     def warm_up(self) -> None:
         """cuDNN autotuning, lazy set-up and graph capture, outside the training clock; the
         weights and optimizer state are then put back as they were."""
-        n, device = self.per_rank, self.ctx.device
-        x, y = self.loader.prepare(self.x_train[:n].to(device)), self.y_train[:n].to(device)
+        x, y = self.task.warm_up_batch()
         self.step_fn.warm_up(x, y, steps=self.cfg.train.prewarm_steps)
         torch.cuda.synchronize()
         self.timeline.mark("warmup")  # training steps: cuDNN autotuning, lazy set-up, graph capture
-        self._accuracy(self.model, tta=self.cfg.train.tta)
+        self.task.evaluate(self.model, self.autocast, final=True)  # the final one's kernels (tta) too
         torch.cuda.synchronize()
 
     def resume(self) -> None:
@@ -227,13 +227,15 @@ class Trainer:
         s, t = self.state, self.cfg.train
         self._t_start = time.perf_counter() - s.elapsed_s
         self.stop = StopSignal(timeout_s=self.cfg.dist.timeout_s)
-        self.progress.start(epochs=t.epochs, steps_per_epoch=len(self.loader), images_per_step=t.batch_size,
-                            start_epoch=s.epoch + 1, start_step=s.step)  # fmt: skip
+        self.progress.start(epochs=t.epochs, steps_per_epoch=len(self.loader),
+                            images_per_step=t.batch_size * self.task.per_sample, start_epoch=s.epoch + 1,
+                            start_step=s.step, unit=self.task.unit)  # fmt: skip
         self.profiler.start()
         self.timeline.training_started()
         while s.epoch < t.epochs:
             if not self.train_epoch():
                 return self.stop.exit_code
+        self.finish_task()
         self.finished_rows = self.run.read_metrics()  # the summary is printed after the teardown
         self.curves.write_detached(self.run.metrics_path)  # curves.png appears shortly after the exit
         self.stop.close()
@@ -277,19 +279,24 @@ class Trainer:
         s.train_s += epoch_s
         self.timeline.add("train", epoch_s)
         last = epoch == t.epochs
-        acc = self.evaluate(final=last) if last or epoch % t.eval_every == 0 else float("nan")
+        evaluated = last or epoch % t.eval_every == 0
+        results = self.evaluate(final=last) if evaluated else dict.fromkeys(self.task.metrics)
         train_loss = distlib.all_reduce(s.loss_sum, op="mean").item() / len(self.loader)
+        samples_per_s = len(self.loader) * t.batch_size / epoch_s
         row = {
             "epoch": epoch,
             "train_loss": round(train_loss, 5),
-            "test_acc": None if acc != acc else round(acc, 5),
-            "images_per_s": round(len(self.loader) * t.batch_size / epoch_s, 1),
+            **results,
+            **self.task.rates(samples_per_s, self.model),
+            "samples_per_s": round(samples_per_s, 1),
             "epoch_s": round(epoch_s, 3),
             "train_s": round(s.train_s, 3),
             "elapsed_s": round(time.perf_counter() - self._t_start, 3),
             "lr": self.optimizer.param_groups[0]["lr"],
             "world_size": self.ctx.world_size,
         }
+        if (memory := peak_memory_gib(device)) is not None:  # a collective, on a GPU
+            row["peak_mem_gib"] = memory
         self.run.log_metrics(row)  # before the checkpoint: a crash in between rewrites the row, never skips it
         s.epoch, s.step, s.epoch_s = epoch, 0, 0.0
         every = self.cfg.run.checkpoint_every
@@ -299,28 +306,40 @@ class Trainer:
                 self.timeline.mark("checkpoint")  # metrics row and final checkpoint
         self.progress.epoch_end(row)
         self.curves.add(row)
+        self.tensorboard.add(row, step=epoch * len(self.loader))
         return True
 
-    def evaluate(self, final: bool = False) -> float:
-        """Test accuracy of the evaluated model (the EMA when there is one), with every rank's
-        buffers averaged first. ``final``: with test-time augmentation, on the training clock."""
+    def evaluate(self, final: bool = False) -> dict[str, Any]:
+        """The task's metrics (test accuracy; validation loss and perplexity) of the evaluated
+        model (the EMA when there is one), with every rank's buffers averaged first. ``final``:
+        with test-time augmentation, on the training clock."""
         t_eval = time.perf_counter()
         self.step_fn.sync_buffers()
         model = self.ema.module if self.ema is not None else self.model
         # each rank's BatchNorm statistics follow its own batches: average them, so that every
         # rank evaluates the same model and the accuracy does not depend on the world size
         distlib.sync_buffers(model)
-        acc = self._accuracy(model, tta=self.cfg.train.tta and final)
+        results = self.task.evaluate(model, self.autocast, final=final)
         eval_s = time.perf_counter() - t_eval
         self.timeline.add("eval", eval_s)
         if final:  # airbench's clock: training from the first step through the final evaluation
             self.state.train_s += eval_s
             self.timeline.training_finished()
-        return acc
+        return results
 
-    def _accuracy(self, model: torch.nn.Module, tta: bool) -> float:
-        return evaluate(model, self.x_test, self.y_test, self.loader, self.ctx, self.autocast, tta=tta,
-                        translate=self.cfg.train.tta_translate)  # fmt: skip
+    def finish_task(self) -> None:
+        """What the task shows once training is done (a generated sample), on the main rank: in
+        the log, summary.json and TensorBoard."""
+        if not self.ctx.is_main:
+            return
+        model = self.ema.module if self.ema is not None else self.model
+        extra = self.task.finish(model, self.autocast)
+        if extra.get("sample"):
+            self.log.info("sample from the final model:\n%s", extra["sample"])
+            self.tensorboard.add_text("sample", extra["sample"], step=self.state.epoch * len(self.loader))
+        rows = self.run.read_metrics()
+        final = {k: v for k, v in (rows[-1] if rows else {}).items() if k in self.task.metrics}
+        self.timeline.note(task=self.task.name, **{f"final_{k}": v for k, v in final.items()}, **extra)
 
     def save_checkpoint(self) -> None:
         """A checkpoint of the models, optimizer, schedule and ``state`` (a collective)."""
@@ -343,6 +362,8 @@ class Trainer:
                 distlib.shutdown(barrier=False)
         self.profiler.close()
         self.progress.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.stop is not None:
             self.stop.restore_handlers()
         if self.step_fn is not None:

@@ -60,9 +60,10 @@ def test_unknown_key_gives_dotted_path_and_valid_keys(tmp_path):
     (p,) = problems(write(tmp_path, "data:\n  augment:\n    flips: none\n"))
     assert p == "data.augment.flips: unknown key (valid keys here: crop_pad, flip, cutout); did you mean 'flip'?"
     (p,) = problems(write(tmp_path, "trian:\n  epochs: 3\n"))
-    assert p == "trian: unknown key (valid keys here: data, model, train, dist, run, profile); did you mean 'train'?"
+    sections = "data, model, loss, train, dist, run, profile"
+    assert p == f"trian: unknown key (valid keys here: {sections}); did you mean 'train'?"
     (p,) = problems(None, ["model.zzz=1"])  # nothing close: no guess
-    assert p == "model.zzz: unknown key (valid keys here: name, width, num_classes, channels_last)"
+    assert p == "model.zzz: unknown key (valid keys here: name, args, width, num_classes, channels_last)"
 
 
 def test_misspelt_keys_get_a_guess_and_every_problem_at_once():
@@ -123,13 +124,13 @@ def test_precision_fp16_refuses_a_captured_cuda_graph(tmp_path):
 def test_several_problems_reported_at_once(tmp_path):
     path = write(tmp_path, "train:\n  epoch: 3\n  lr: fast\nmodel:\n  name: vgg\n")
     found = problems(path, ["dist.timeout_s=soon", "nonsense", "train.epochs=0"])
-    assert len(found) == 6, found  # the range checks too, beside the type errors
+    assert len(found) == 6, found  # the range and component checks too, beside the type errors
     assert found[0].startswith("train.epoch: unknown key")
     assert found[1] == "train.lr: expected float, got 'fast'"
-    assert found[2] == "model.name: expected one of 'resnet18_cifar', 'small_cnn', got 'vgg'"
-    assert found[3] == "dist.timeout_s: expected float, got 'soon'"
-    assert found[4] == "override 'nonsense': expected dotted.key=value"
-    assert found[5] == "train.epochs: must be > 0, got 0"
+    assert found[2] == "dist.timeout_s: expected float, got 'soon'"
+    assert found[3] == "override 'nonsense': expected dotted.key=value"
+    assert found[4] == "train.epochs: must be > 0, got 0"
+    assert found[5].startswith("model.name: unknown model 'vgg': expected one of resnet18_cifar, small_cnn, gpt")
     text = str(ConfigError(found))
     assert text.count("\n  - ") == 6
 
@@ -235,9 +236,10 @@ NON_NEGATIVE = {  # must be >= 0
     "train.lr": float, "train.weight_decay": float, "profile.wait": int, "profile.warmup": int,
     "data.train_subset": int, "data.augment.crop_pad": int, "data.augment.cutout": int,
     "run.checkpoint_every": int, "train.prewarm_steps": int, "train.tta_translate": int,
-    "train.clip_grad_norm": float,
+    "train.clip_grad_norm": float, "train.peak_tflops": float, "train.sample_tokens": int,
 }  # fmt: skip
-UNIT = ["train.warmup_frac", "train.ema", "train.label_smoothing", "train.momentum"]  # in [0, 1)
+UNIT = ["train.warmup_frac", "train.ema", "train.label_smoothing", "train.momentum", "train.beta1", "train.beta2",
+        "train.min_lr_frac"]  # in [0, 1)  # fmt: skip
 UNBOUNDED = {"train.seed": int}
 
 

@@ -1,0 +1,215 @@
+"""The causal language-model task: byte-level text cut into windows on the device (each rank its
+own, targets the inputs shifted by one), training that is a plain torch loop (AdamW without
+decay on norms, biases and embeddings, a cosine schedule, next-token cross-entropy), validation
+loss and perplexity over every window once, tokens/s and MFU; the GPT demo's loss falls at two
+ranks in well under a minute and the run ends with a generated sample."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import distlib
+from distlib.runner.config import load_config
+from distlib.runner.gpt import GPT, GPTConfig
+from distlib.runner.text_data import TokenLoader, eval_windows, load_byte_text
+from distlib.runner.throughput import mfu, peak_tflops
+from tests.conftest import ROOT
+from tests.runner.test_e2e import launch
+from tests.runner.test_trainer import TORCHRUN_VARS, built, metrics
+
+DEMO = os.path.join(ROOT, "recipes", "gpt_demo.yaml")
+
+
+@pytest.fixture
+def world_size_1(monkeypatch):
+    for key in TORCHRUN_VARS:
+        monkeypatch.delenv(key, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_token_loader_gives_each_rank_its_own_windows_and_targets_shifted_by_one():
+    tokens = torch.arange(1000)  # a token's value is its position
+    loaders = [TokenLoader(tokens, block_size=8, batch_size=4, rank=r, world_size=2, seed=3) for r in range(2)]
+    assert len(loaders[0]) == (1000 // 8 - 1) // 8 == 15
+    epochs = []
+    for _ in range(2):
+        starts = []
+        for loader in loaders:
+            for x, y in loader:
+                assert x.shape == y.shape == (4, 8)
+                assert torch.equal(y, x + 1)  # the next token at every position
+                assert torch.equal(x, x[:, :1] + torch.arange(8))  # contiguous windows
+                starts += x[:, 0].tolist()
+        assert len(set(starts)) == len(starts) == 15 * 2 * 4  # no window twice in an epoch, over both ranks
+        assert len({s % 8 for s in starts}) == 1  # one offset per epoch
+        epochs.append(starts)
+    assert epochs[0] != epochs[1]  # a new order (and offset) each epoch
+
+
+def test_eval_windows_cover_every_validation_window_once_over_the_ranks():
+    tokens = torch.arange(203)
+    seen = [x[:, 0].tolist() for r in range(3) for x, _ in eval_windows(tokens, 10, r, 3, 4, torch.device("cpu"))]
+    assert sorted(s for batch in seen for s in batch) == list(range(0, 200, 10))
+
+
+def test_byte_text_splits_by_position(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_bytes(bytes(range(256)) * 4)
+    text = load_byte_text(str(path), block_size=16, val_frac=0.25)
+    assert torch.equal(torch.cat([text.train, text.val]), torch.tensor(list(range(256)) * 4, dtype=torch.uint8))
+    assert len(text.val) == 256 and text.vocab_size == 256
+
+
+def test_mfu_is_model_flops_over_the_peak_of_every_gpu(monkeypatch):
+    assert mfu(1e5, 6e8, world_size=2, peak=989.0) == pytest.approx(1e5 * 6e8 / (2 * 989e12))
+    assert mfu(1e5, 6e8, world_size=2, peak=None) is None
+    assert peak_tflops(torch.device("cpu")) is None  # no MFU on a CPU unless the recipe gives a peak
+    assert peak_tflops(torch.device("cpu"), override=50.0) == 50.0
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert peak_tflops(torch.device("cuda", 0)) == 989.0
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert peak_tflops(torch.device("cuda", 0)) == 312.0
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    assert peak_tflops(torch.device("cuda", 0)) is None
+
+
+SMALL = ["train.epochs=2", "data.train_subset=64", "model.args.n_layer=1", "model.args.n_embd=32",
+         "model.args.n_head=2", "train.batch_size=8", "train.warmup_frac=0.25", "train.peak_tflops=0.5",
+         "train.sample_tokens=20", "run.progress=plain"]  # fmt: skip
+
+
+def test_training_is_a_plain_torch_loop_with_adamw_and_a_cosine_schedule(tmp_path, world_size_1):
+    cfg = load_config(DEMO, [*SMALL, f"run.out_dir={tmp_path}"])
+    with built(cfg, distlib.init("gloo")) as trainer:
+        start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        assert trainer.fit() == 0
+    rows = metrics(tmp_path)
+    steps = 64 // 8  # per epoch
+
+    # one process, torch's pieces: AdamW, decay on the matrices of the blocks only, a linear
+    # warm-up over 4 of the 16 steps then a cosine decay to 0.1 lr, next-token cross-entropy,
+    # the global gradient norm clipped to 1
+    text = load_byte_text(os.path.join(ROOT, cfg.data.root), block_size=64)
+    model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=2, n_embd=32))
+    model.load_state_dict(start)
+    decay = [p for n, p in model.named_parameters() if p.ndim == 2 and not n.startswith(("wte", "wpe"))]
+    rest = [p for p in model.parameters() if all(p is not q for q in decay)]
+    assert len(rest) == 2 + 2 * 1 + 1  # wte (tied to lm_head), wpe, two LayerNorms a block, the final one
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                            lr=3e-3, betas=(0.9, 0.95))  # fmt: skip
+    schedule = torch.optim.lr_scheduler.SequentialLR(
+        opt, [torch.optim.lr_scheduler.LinearLR(opt, 1 / 4, 1.0, total_iters=3),
+              torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=12, eta_min=3e-4)], milestones=[4],
+    )  # fmt: skip
+    loader = TokenLoader(text.train, block_size=64, batch_size=8, seed=0, max_windows=64)
+    losses, lrs_after = [], []
+    for _ in range(2):
+        for x, y in loader:
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            schedule.step()
+            losses.append(loss.item())
+            lrs_after.append(opt.param_groups[0]["lr"])
+    for name, w in model.state_dict().items():
+        torch.testing.assert_close(trainer.model.state_dict()[name], w, rtol=1e-4, atol=1e-5, msg=name)
+    for row in rows:
+        e = row["epoch"]
+        assert row["train_loss"] == pytest.approx(sum(losses[steps * (e - 1) : steps * e]) / steps, abs=1e-4)
+        assert row["lr"] == pytest.approx(lrs_after[steps * e - 1], rel=1e-6)
+    assert rows[-1]["lr"] == pytest.approx(3e-4, rel=1e-6)  # the cosine's end: train.min_lr_frac of lr
+
+    # validation: the mean next-token loss over every window of the last 5%, and its exponential
+    with torch.no_grad():
+        sums = [F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum").item()
+                for x, y in eval_windows(text.val, 64, 0, 1, 100, torch.device("cpu"))]  # fmt: skip
+    n = (len(text.val) - 1) // 64 * 64
+    assert rows[-1]["val_loss"] == pytest.approx(sum(sums) / n, abs=2e-5)
+    assert rows[-1]["val_ppl"] == pytest.approx(math.exp(rows[-1]["val_loss"]), rel=1e-3)
+    # tokens/s and MFU (the recipe's peak of 0.5 TFLOP/s on this CPU): the model's FLOPs per token
+    for row in rows:
+        assert row["tokens_per_s"] == pytest.approx(row["samples_per_s"] * 64, rel=1e-3)
+        flops = model.flops_per_token(64)
+        assert row["mfu"] == pytest.approx(row["tokens_per_s"] * flops / 0.5e12, rel=1e-2, abs=1e-4)
+        assert "peak_mem_gib" not in row  # a CPU run
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["task"] == "causal_lm" and summary["final_val_loss"] == rows[-1]["val_loss"]
+    # the sample: the first 32 validation bytes, then 20 generated ones
+    assert summary["sample_prompt"] == text.val[:32].numpy().tobytes().decode()
+    assert summary["sample"].startswith(summary["sample_prompt"]) and len(summary["sample"]) > 32
+
+
+def token_windows(block_size: int = 16) -> tuple:
+    """A user's own language-model data set: (input, target) windows of the demo text."""
+    text = load_byte_text(os.path.join(ROOT, "data", "shakespeare-demo", "shakespeare.txt.gz"), block_size=block_size)
+
+    def windows(tokens, n):
+        w = tokens[: n * block_size + 1].long()
+        return torch.utils.data.TensorDataset(w[:-1].view(n, block_size), w[1:].view(n, block_size))
+
+    return windows(text.train, 64), windows(text.val, 16)
+
+
+def test_a_users_own_token_data_set_trains_a_language_model_through_distributed_loader(tmp_path, world_size_1):
+    overrides = ["data.name=tests.runner.test_causal_lm:token_windows", "data.train_subset=0",
+                 "data.args.block_size=16", f"run.out_dir={tmp_path}", "train.sample_tokens=0"]  # fmt: skip
+    cfg = load_config(DEMO, [*SMALL, *overrides])
+    with built(cfg, distlib.init("gloo")) as trainer:
+        assert trainer.task.name == "causal_lm" and isinstance(trainer.loader, distlib.EpochLoader)
+        assert trainer.model.cfg.block_size == 16  # from the data set's samples
+        assert trainer.fit() == 0
+    rows = metrics(tmp_path)
+    assert len(trainer.loader) == 64 // 8 and [r["epoch"] for r in rows] == [1, 2]
+    assert rows[-1]["val_loss"] < math.log(256) and rows[-1]["tokens_per_s"] == pytest.approx(
+        rows[-1]["samples_per_s"] * 16, rel=1e-3
+    )
+
+
+@pytest.mark.slow
+def test_the_gpt_demo_loss_falls_at_two_ranks_in_under_a_minute(tmp_path):
+    """What `recipes/gpt_demo.yaml` promises, on two CPU processes: the validation loss falls far
+    below the uniform guess (ln 256 = 5.55) and the run ends with its figures and a sample."""
+    out = tmp_path / "gpt"
+    proc = launch([DEMO, f"run.out_dir={out}", "run.progress=plain"], nproc=2, timeout=240)
+    rows = metrics(out)
+    with open(out / "summary.json") as f:
+        summary = json.load(f)
+    print(f"gpt demo: val_loss {[r['val_loss'] for r in rows]}; {summary['total_s']:.1f} s from process start")
+    assert rows[0]["val_loss"] < 3.0 and rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.15, rows
+    assert rows[-1]["train_s"] < 60, rows[-1]
+    assert rows[-1]["world_size"] == 2 and rows[-1]["tokens_per_s"] > 0
+    assert "final validation loss" in proc.stdout and "perplexity" in proc.stdout
+    assert "sample from the final model" in proc.stderr and summary["sample"] in proc.stderr
+    assert summary["final_val_ppl"] == rows[-1]["val_ppl"]
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [["train.compile=true"], ["train.cuda_graph=true"]],
+    ids=["compiled", "cuda_graph"],
+)
+def test_the_gpt_demo_on_two_gpus_reports_mfu_and_each_ranks_peak_memory(tmp_path, overrides):
+    """On GPUs: bf16, fused AdamW (capturable inside a CUDA graph), the model compiled with its
+    buckets overlapped or the step captured; the loss falls as on the CPU; every row has the MFU
+    (the GPU's peak from its name, or a stand-in) and each rank's peak memory."""
+    out = tmp_path / "gpt-gpu"
+    launch([DEMO, f"run.out_dir={out}", "run.progress=plain", "train.precision=bf16", "train.peak_tflops=100",
+            *overrides], nproc=2, timeout=400)  # fmt: skip
+    rows = metrics(out)
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.15 and rows[0]["val_loss"] < 3.0, rows
+    for row in rows:
+        assert row["mfu"] > 0 and len(row["peak_mem_gib"]) == 2 and min(row["peak_mem_gib"]) > 0, row
