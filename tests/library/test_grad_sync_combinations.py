@@ -1,0 +1,36 @@
+"""GradSync's options together with uneven inputs under ``join()``, against DDP under Join.
+
+A rank that ran out of data shadows the others' steps: it must issue the same collectives they
+do, so every option that changes what a step sends (``comm_groups``: which communicator carries
+each bucket; ``compress="bf16"``: what travels) must reach the shadowing too. Each option is
+tested alone elsewhere; here it meets ``join()``.
+"""
+
+from __future__ import annotations
+
+from tests.conftest import run_ranks
+from tests.library.test_ddp_oracle import BOUND, MLP, TINY, _case
+
+BF16_BOUND = 2e-2  # relative: bf16 rounding of three steps' averaged gradients
+
+
+def _uneven_with_options(ctx) -> dict:
+    many = {"bucket_cap_mb": 1e-4}
+    return {
+        "comm_groups=2, a bucket per parameter, rank 0 has 2 more": _case(
+            ctx, MLP, join=True, extra=2, ddp_kw=many, sync_kw={**TINY, "comm_groups": 2}
+        ),
+        "comm_groups=3, rank 1 has 1 more": _case(
+            ctx, MLP, join=True, extra=1, extra_rank=1, ddp_kw=many, sync_kw={**TINY, "comm_groups": 3}
+        ),
+        "compress=bf16, rank 0 has 2 more": _case(ctx, MLP, join=True, extra=2, sync_kw={"compress": "bf16"}),
+    }
+
+
+def test_join_with_comm_groups_and_compression_matches_ddp():
+    results = run_ranks(_uneven_with_options, 2, timeout=90, init_timeout_s=20)
+    for res in results:
+        for name, r in res.items():
+            bound = BF16_BOUND if "bf16" in name else BOUND
+            assert r["diff"] <= bound, (name, r["diff"])
+        assert res["compress=bf16, rank 0 has 2 more"]["diff"] > 0  # the compression did take place
