@@ -1,15 +1,16 @@
-"""GradSync's options together with uneven inputs under ``join()``, against DDP under Join.
+"""GradSync's options together with the features they touch, against DDP.
 
-A rank that ran out of data shadows the others' steps: it must issue the same collectives they
-do, so every option that changes what a step sends (``comm_groups``: which communicator carries
-each bucket; ``compress="bf16"``: what travels) must reach the shadowing too. Each option is
-tested alone elsewhere; here it meets ``join()``.
+A rank that ran out of data shadows the others' steps under ``join()``: it must issue the same
+collectives they do, so every option that changes what a step sends (``comm_groups``: which
+communicator carries each bucket; ``compress="bf16"``: what travels) must reach the shadowing
+too. With ``compress="bf16"`` the marks that say which rank used a parameter travel in the bf16
+copy as well. Each option is tested alone elsewhere; here it meets the other feature.
 """
 
 from __future__ import annotations
 
 from tests.conftest import run_ranks
-from tests.library.test_ddp_oracle import BOUND, MLP, TINY, _case
+from tests.library.test_ddp_oracle import BOUND, MLP, TINY, _case, _one_rank_branch
 
 BF16_BOUND = 2e-2  # relative: bf16 rounding of three steps' averaged gradients
 
@@ -34,3 +35,27 @@ def test_join_with_comm_groups_and_compression_matches_ddp():
             bound = BF16_BOUND if "bf16" in name else BOUND
             assert r["diff"] <= bound, (name, r["diff"])
         assert res["compress=bf16, rank 0 has 2 more"]["diff"] > 0  # the compression did take place
+
+
+def _compressed_with_a_parameter_one_rank_uses(ctx) -> dict:
+    return {
+        f"compress=bf16, a branch used on rank 0 only, {opt}": _case(
+            ctx,
+            lambda: MLP(branch=True),
+            opt=opt,
+            on_step=_one_rank_branch,
+            sync_kw={**TINY, "compress": "bf16"},
+            ddp_kw={"find_unused_parameters": True},
+            steps=4,
+        )
+        for opt in ("sgd", "adamw")
+    }
+
+
+def test_compression_with_a_parameter_one_rank_uses_matches_ddp():
+    """Rank 1 never uses the branch: it must still take rank 0's gradient for it (halved), not keep
+    ``.grad`` None as for a parameter no rank used, or the two ranks' weights part."""
+    for res in run_ranks(_compressed_with_a_parameter_one_rank_uses, 2, timeout=90, init_timeout_s=20):
+        for name, r in res.items():
+            assert r["diff"] <= BF16_BOUND, (name, r["diff"])
+            assert r["none_sync"] == r["none_ddp"] == [], (name, r)
