@@ -9,6 +9,8 @@ copy as well. Each option is tested alone elsewhere; here it meets the other fea
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import run_ranks
 from tests.library.test_ddp_oracle import BOUND, MLP, TINY, _case, _one_rank_branch
 
@@ -28,9 +30,18 @@ def _uneven_with_options(ctx) -> dict:
     }
 
 
-def test_join_with_comm_groups_and_compression_matches_ddp():
-    results = run_ranks(_uneven_with_options, 2, timeout=90, init_timeout_s=20)
-    for res in results:
+def _all(ctx) -> dict:
+    return {"uneven": _uneven_with_options(ctx), "one rank uses": _compressed_with_a_parameter_one_rank_uses(ctx)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """Every case of this file in one pair of rank processes (starting ranks costs seconds)."""
+    return run_ranks(_all, 2, timeout=120, init_timeout_s=20)
+
+
+def test_join_with_comm_groups_and_compression_matches_ddp(two_ranks):
+    for res in (r["uneven"] for r in two_ranks):
         for name, r in res.items():
             bound = BF16_BOUND if "bf16" in name else BOUND
             assert r["diff"] <= bound, (name, r["diff"])
@@ -52,10 +63,10 @@ def _compressed_with_a_parameter_one_rank_uses(ctx) -> dict:
     }
 
 
-def test_compression_with_a_parameter_one_rank_uses_matches_ddp():
+def test_compression_with_a_parameter_one_rank_uses_matches_ddp(two_ranks):
     """Rank 1 never uses the branch: it must still take rank 0's gradient for it (halved), not keep
     ``.grad`` None as for a parameter no rank used, or the two ranks' weights part."""
-    for res in run_ranks(_compressed_with_a_parameter_one_rank_uses, 2, timeout=90, init_timeout_s=20):
+    for res in (r["one rank uses"] for r in two_ranks):
         for name, r in res.items():
             assert r["diff"] <= BF16_BOUND, (name, r["diff"])
             assert r["none_sync"] == r["none_ddp"] == [], (name, r)
