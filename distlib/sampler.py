@@ -1,4 +1,4 @@
-"""DistributedSampler-backed loaders that advance the epoch by themselves, an
+"""DistributedSampler-backed loaders that advance the epoch at the end of each pass, an
 exact sampler for evaluation that gives every sample to exactly one rank, and the
 sharding of an IterableDataset over ranks and DataLoader workers."""
 
@@ -14,7 +14,22 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from distlib import collectives
 
 
-class ExactDistributedSampler(Sampler[int]):
+class _Epochs:
+    """``set_epoch`` of the samplers an ``EpochLoader`` drives: the user's call (DDP's
+    ``loader.sampler.set_epoch(epoch)``) is remembered, so that the loader adopts it at its next pass
+    instead of overriding it."""
+
+    requested_epoch: int | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.requested_epoch = epoch
+        self._apply_epoch(epoch)
+
+    def _apply_epoch(self, epoch: int) -> None:
+        raise NotImplementedError
+
+
+class ExactDistributedSampler(_Epochs, Sampler[int]):
     """Rank r gets indices r, r+W, r+2W, ...: every sample exactly once over the
     ranks, no padding, so ranks may get one sample more or less than others."""
 
@@ -28,7 +43,7 @@ class ExactDistributedSampler(Sampler[int]):
         self.seed = seed
         self.epoch = 0
 
-    def set_epoch(self, epoch: int) -> None:
+    def _apply_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
@@ -43,7 +58,7 @@ class ExactDistributedSampler(Sampler[int]):
         return len(range(self.rank, self.n, self.num_replicas))
 
 
-class ShardedIterable(IterableDataset):
+class ShardedIterable(_Epochs, IterableDataset):
     """An IterableDataset's samples split over ranks and DataLoader workers, each exactly once per pass.
 
     The worker ``w`` of ``num_workers`` on rank ``r`` keeps the samples ``i`` of the
@@ -62,7 +77,7 @@ class ShardedIterable(IterableDataset):
         self.rank = rank
         self.epoch = 0
 
-    def set_epoch(self, epoch: int) -> None:
+    def _apply_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
@@ -83,12 +98,27 @@ class ShardedIterable(IterableDataset):
         return sum(k // batch_size if drop_last else -(-k // batch_size) for k in sizes)
 
 
-class EpochLoader:
-    """A DataLoader whose every new pass calls ``sampler.set_epoch`` with the next epoch.
+class _LoaderSampler(_Epochs, DistributedSampler):
+    """torch's DistributedSampler (same order, same padding) whose ``set_epoch`` the loader notices."""
 
-    Forgetting ``set_epoch`` is the classic DistributedSampler bug (every epoch
-    sees the same order); here the loader counts its own passes. ``set_epoch``
-    sets the epoch of the next pass (used when resuming).
+    def _apply_epoch(self, epoch: int) -> None:
+        DistributedSampler.set_epoch(self, epoch)
+
+
+class EpochLoader:
+    """A DataLoader over this rank's shard that keeps the sampler's epoch for the loop.
+
+    The epoch advances when a pass is completed (its iterator is exhausted), not when ``iter()``
+    is called: a peek (``next(iter(loader))``) or an iterator made again before the pass ends
+    replays the same epoch's order. ``loader.set_epoch(e)`` and DDP's ``loader.sampler.set_epoch(e)``
+    both choose the epoch of the next pass (the latest call wins); without either, pass ``k``
+    uses epoch ``k``, which is the order DDP gives with ``sampler.set_epoch(k)`` before each epoch.
+    ``state_dict()`` / ``load_state_dict()`` carry the epoch, so a run resumed from a checkpoint
+    continues with the next epoch's order (a pass cut short is replayed from its start).
+
+    Reads like a DataLoader: ``batch_size``, ``dataset`` (the one given, not the sharding wrapper of an
+    IterableDataset), ``sampler`` (the distributed sampler), ``drop_last``, ``num_workers`` and any other
+    attribute of the DataLoader underneath (``loader.loader``).
 
     ``len()`` is the number of batches this rank yields per pass. Over an
     IterableDataset it is computed from ``len(dataset)`` and raises TypeError
@@ -101,12 +131,35 @@ class EpochLoader:
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        """The epoch of the next pass (its order); as ``sampler.set_epoch`` in a DDP script."""
+        self.sampler.set_epoch(epoch)
+
+    def _take_epoch(self) -> int:
+        requested = getattr(self.sampler, "requested_epoch", None)
+        if requested is not None:  # set by the user, on the loader or on its sampler
+            self.epoch = int(requested)
+            self.sampler.requested_epoch = None
+        self.sampler._apply_epoch(self.epoch)
+        return self.epoch
 
     def __iter__(self) -> Iterator[Any]:
-        self.sampler.set_epoch(self.epoch)
-        self.epoch += 1
-        return iter(self.loader)
+        epoch = self._take_epoch()
+        it = iter(self.loader)  # the sampler's order is drawn here, at iter(), as a DataLoader does
+        return self._pass(it, epoch)
+
+    def _pass(self, it: Iterator[Any], epoch: int) -> Iterator[Any]:
+        yield from it
+        if self.epoch == epoch and getattr(self.sampler, "requested_epoch", None) is None:
+            self.epoch = epoch + 1  # a completed pass: the next one is a new epoch
+
+    def state_dict(self) -> dict[str, int]:
+        """The epoch of the next pass, for a checkpoint (``load_state_dict`` restores it)."""
+        requested = getattr(self.sampler, "requested_epoch", None)
+        return {"epoch": self.epoch if requested is None else int(requested)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a ``state_dict()``: the next pass uses its epoch."""
+        self.set_epoch(int(state["epoch"]))
 
     def __len__(self) -> int:
         if isinstance(self.sampler, ShardedIterable):
@@ -124,6 +177,12 @@ class EpochLoader:
         if isinstance(self.sampler, ShardedIterable):
             return self.sampler.dataset
         return self.loader.dataset
+
+    def __getattr__(self, name: str) -> Any:
+        # batch_size, drop_last, num_workers, pin_memory, collate_fn, ...: the DataLoader's own
+        if name.startswith("__") or name in ("loader", "sampler", "epoch"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)
 
 
 def distributed_loader(
@@ -167,7 +226,7 @@ def distributed_loader(
             dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed
         )
     else:
-        sampler = DistributedSampler(
+        sampler = _LoaderSampler(
             dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **dataloader_kwargs)
