@@ -22,7 +22,7 @@ from distlib import collectives
 from distlib.buckets import group_tensors
 from distlib.flat_buffers import FlatBuffers
 from distlib.model_check import ModelMismatchError, check_same_model
-from distlib.state_broadcast import broadcast_module
+from distlib.state_broadcast import broadcast_module, broadcast_tensors
 
 __all__ = ["GradSync", "ModelMismatchError"]  # ModelMismatchError lives in distlib.model_check
 
@@ -78,6 +78,13 @@ class GradSync:
     process and shared by every GradSync) so that consecutive buckets' all_reduces overlap. At
     world size 1 nothing is done (and no group is created).
 
+    Buffers (BatchNorm's running statistics) as DDP's default ``broadcast_buffers=True``: a forward
+    pre-hook broadcasts rank 0's buffers before each forward that follows a synced forward (grad
+    enabled, outside ``no_sync``), in one broadcast per device; ``broadcast_buffers=False`` leaves
+    each rank its own (then ``sync_buffers()`` averages them, e.g. before evaluating).
+    ``require_backward_grad_sync`` is DDP's attribute: set to False, backward passes accumulate
+    locally as inside ``no_sync()``.
+
     As DDP with ``find_unused_parameters=True``: a parameter no rank used in a step keeps its
     ``.grad`` (None after ``opt.zero_grad()``), without an extra collective. ``requires_grad``
     changed after construction is followed at the next ``wait()``. ``with sync.join():`` around
@@ -93,6 +100,7 @@ class GradSync:
         compress: Literal["none", "bf16"] = "none",
         broadcast: bool = True,
         comm_groups: int = 1,
+        broadcast_buffers: bool = True,
     ):
         if bucket_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError(f"bucket sizes must be > 0, got bucket_mb={bucket_mb}, first_bucket_mb={first_bucket_mb}")
@@ -121,6 +129,11 @@ class GradSync:
         self._announced: dist.Work | None = None
         self._device = self.params[0].device if self.params else torch.device("cpu")
         self.comm_groups = comm_groups
+        self.broadcast_buffers = broadcast_buffers
+        # DDP's require_forward_param_sync: the last forward was a synced one (grad enabled, outside
+        # no_sync), so the next forward broadcasts rank 0's buffers first. True: the first forward does.
+        self._forward_sync = True
+        self._forward_hook = None
         if self.world_size == 1:
             return
         devices = {p.device for p in self.params}
@@ -139,6 +152,9 @@ class GradSync:
             self._layout([len(self.params) - 1 - i for i in range(len(self.params))])
         for slot in self._slots:
             self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._hook_for(slot.index)))
+        if broadcast_buffers:
+            # run eagerly under torch.compile (compile_for_sync): a collective and Python state, not graph code
+            self._forward_hook = model.register_forward_pre_hook(torch.compiler.disable(self._pre_forward))
 
     # ---- construction ----------------------------------------------------------------
     def _preflight(self) -> None:
@@ -184,6 +200,30 @@ class GradSync:
             self._on_ready(self._slots[index])
 
         return hook
+
+    # ---- buffers (DDP's broadcast_buffers) ------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: object) -> None:
+        """Before each forward of the model, as DDP's ``_pre_forward``: rank 0's buffers to every rank
+        when the previous forward was a synced one (and before the first), in one broadcast per
+        device. Then remember whether this forward is synced (grad enabled, outside ``no_sync``)."""
+        if self._forward_sync and not self._joining:
+            buffers = list(module.buffers())  # read each time: a module may reassign its buffers
+            if buffers:
+                # in place, as DDP does it: the version counters stay, so a graph that saved a buffer
+                # (a no_sync micro-step's) is not reported as modified
+                with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+                    broadcast_tensors(buffers, 0)
+        self._forward_sync = torch.is_grad_enabled() and not self._skip
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's attribute: False makes the next backward passes accumulate locally, as inside
+        ``no_sync()``; set it back to True for the synced backward (then ``wait()``)."""
+        return not self._skip
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._skip = not value
 
     # ---- per step --------------------------------------------------------------------
     def _on_ready(self, slot: _Slot) -> None:
@@ -431,9 +471,10 @@ class GradSync:
         involved). Gradients stay divided by the initial world size, so every sample weighs the
         same, as with DDP under ``torch.distributed.algorithms.Join`` (``divide_by_initial_world_size``).
         When all have left, every rank takes the parameters of the last rank to leave (the
-        highest such rank), as DDP does; buffers stay each rank's own (GradSync never broadcasts
-        them during training, like DDP with ``broadcast_buffers=False``): call ``sync_buffers()``
-        for averaged BatchNorm statistics. Other collectives inside the block (``sync_buffers``,
+        highest such rank), and with ``broadcast_buffers`` its buffers, as DDP does. Inside the
+        block the forwards do not broadcast buffers (a rank that left could not match that
+        broadcast): each rank keeps its own until the end, where DDP would broadcast the highest
+        active rank's at each forward. Other collectives inside the block (``sync_buffers``,
         SyncBatchNorm, metrics) are not shadowed, and requires_grad must not change inside it.
 
         A collective: every rank must enter and leave it. An exception inside the block is raised
@@ -475,19 +516,14 @@ class GradSync:
 
     @torch.no_grad()
     def _take_last_joiner(self, last: bool) -> None:
-        """Every rank takes the parameters of the highest rank among those that left join() last."""
+        """Every rank takes the parameters (and, with ``broadcast_buffers``, the buffers) of the highest
+        rank among those that left join() last, as DDP's Join does."""
         t = torch.full((1,), dist.get_rank() if last else -1, dtype=torch.int64, device=self._device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        src = int(t.item())
-        groups: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in self.model.parameters():
-            groups.setdefault(p.dtype, []).append(p.detach())
-        for group in groups.values():
-            flat = torch.cat([p.reshape(-1) for p in group])
-            dist.broadcast(flat, src=src)
-            if dist.get_rank() != src:
-                for p, part in zip(group, flat.split([p.numel() for p in group])):
-                    p.copy_(part.view(p.shape))
+        tensors = list(self.model.parameters())
+        if self.broadcast_buffers:
+            tensors += list(self.model.buffers())
+        broadcast_tensors(tensors, int(t.item()))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -533,3 +569,6 @@ class GradSync:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
