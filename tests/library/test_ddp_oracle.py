@@ -433,7 +433,12 @@ def _uneven(ctx) -> dict:
     return {
         "join, rank 0 has 2 more batches": _case(ctx, MLP, join=True, extra=2),
         "join, BatchNorm (broadcast_buffers=False), rank 1 has 1 more": _case(
-            ctx, lambda: MLP(bn=True), join=True, extra=1, extra_rank=1, ddp_kw={"broadcast_buffers": False},
+            ctx,
+            lambda: MLP(bn=True),
+            join=True,
+            extra=1,
+            extra_rank=1,
+            ddp_kw={"broadcast_buffers": False},
             sync_kw={"broadcast_buffers": False},
         ),
         "join, many buckets, accumulation, rank 0 has 1 more": _case(
