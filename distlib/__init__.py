@@ -29,7 +29,7 @@ from distlib.compile import compile_for_sync
 from distlib.cuda_graph import CapturedStep, CaptureUnsupported
 from distlib.ema import EMA
 from distlib.errors import DistlibError
-from distlib.grad_sync import GradSync
+from distlib.grad_sync import GradSync, GradSyncError
 from distlib.log import get_logger
 from distlib.model_check import ModelMismatchError
 from distlib.process_group import Context, EnvError, init, shutdown
@@ -51,6 +51,7 @@ __all__ = [
     "EnvError",
     "ExactDistributedSampler",
     "GradSync",
+    "GradSyncError",
     "ModelMismatchError",
     "Replicas",
     "StopSignal",

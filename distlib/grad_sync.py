@@ -20,14 +20,31 @@ from torch import nn
 
 from distlib import collectives
 from distlib.buckets import group_tensors
+from distlib.errors import DistlibError
 from distlib.flat_buffers import FlatBuffers
 from distlib.model_check import ModelMismatchError, check_same_model
 from distlib.state_broadcast import broadcast_module, broadcast_tensors
 
-__all__ = ["GradSync", "ModelMismatchError"]  # ModelMismatchError lives in distlib.model_check
+__all__ = ["GradSync", "GradSyncError", "ModelMismatchError"]  # ModelMismatchError lives in distlib.model_check
 
 _MB = 2**20
 _ABORT = 1 << 20  # join(): announced by a rank that stops (more than any number of active ranks)
+
+
+class GradSyncError(DistlibError, RuntimeError):
+    """GradSync used against its contract: a gradient produced twice before ``wait()`` (a forgotten
+    ``no_sync``), ``requires_grad`` changed differently on the ranks, ``join()`` misused, a step some
+    rank never reached (uneven inputs without ``join()``). A RuntimeError too, as these were before."""
+
+
+def _stalled(e: RuntimeError) -> GradSyncError:
+    """A bucket's all_reduce timed out in ``wait()``: some rank did not run this step."""
+    return GradSyncError(
+        f"GradSync.wait(): a gradient all_reduce timed out ({str(e).strip().splitlines()[0]}): some rank did not "
+        "run this step. With uneven inputs (a rank has fewer batches), wrap the training loop in "
+        "`with sync.join():`, or give every rank the same number of steps (distributed_loader pads so that "
+        "they are equal); otherwise a rank stopped or is slower than the timeout (distlib.init(timeout_s=...))"
+    )
 
 
 def _capturing() -> bool:
@@ -234,7 +251,7 @@ class GradSync:
         if self._skip:
             return
         if slot.ready_step == self._step:
-            raise RuntimeError(
+            raise GradSyncError(
                 f"GradSync: gradient of {self._names.get(id(slot.param), '?')!r} produced twice before "
                 "sync.wait(); call wait() after every synced backward and use `with sync.no_sync():` "
                 "for accumulation steps"
@@ -307,7 +324,12 @@ class GradSync:
             self._launch(self.buckets[self._next_bucket])
             self._next_bucket += 1
         for b in self.buckets:  # every group's work (on NCCL the current stream waits for each)
-            b.work.wait()
+            try:
+                b.work.wait()
+            except RuntimeError as e:  # gloo: the collective timed out, or a peer is gone
+                if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                    raise _stalled(e) from e
+                raise  # a peer failed: its own error says why
             b.work = None
             if b.comp is not None:
                 b.flat.copy_(b.comp)
@@ -330,7 +352,7 @@ class GradSync:
         if frozen or thawed:
             if self._joining:
                 self._announce(_ABORT, wait=True)  # the ranks shadowing in join() raise too
-                raise RuntimeError(
+                raise GradSyncError(
                     "GradSync: requires_grad changed inside sync.join() "
                     f"({', '.join(self._name(p) for p in frozen + thawed)}); change it outside join()"
                 )
@@ -360,7 +382,7 @@ class GradSync:
                 s.param.grad = s.view  # the others' sum / world size
             if not s.param.requires_grad:
                 if used_elsewhere:
-                    raise RuntimeError(
+                    raise GradSyncError(
                         f"GradSync: parameter {self._name(s.param)} no longer requires grad on this rank but "
                         "another rank still trains it; every rank must freeze the same parameters before the same step"
                     )
@@ -397,7 +419,7 @@ class GradSync:
                 only0, onlyr = sorted(set(lists[0]) - set(other)), sorted(set(other) - set(lists[0]))
                 if only0 or onlyr:
                     lines.append(f"rank {r}: trainable only on rank 0: {only0}; only on rank {r}: {onlyr}")
-            raise RuntimeError(
+            raise GradSyncError(
                 "GradSync: requires_grad changed differently on different ranks:\n  " + "\n  ".join(lines)
             )
         old = {id(s.param): s for s in self._slots}
@@ -484,21 +506,21 @@ class GradSync:
             yield
             return
         if self._joining:
-            raise RuntimeError("GradSync.join(): already inside join()")
+            raise GradSyncError("GradSync.join(): already inside join()")
         self._joining = True
         try:
             yield
         finally:
             self._joining = False
         if self._next_bucket != 0 or any(b.work is not None for b in self.buckets):
-            raise RuntimeError("GradSync.join(): a synced backward was not followed by sync.wait() before leaving")
+            raise GradSyncError("GradSync.join(): a synced backward was not followed by sync.wait() before leaving")
         last = True
         while True:
             active = self._announce(0, wait=True)
             if active == 0:
                 break
             if active >= _ABORT:
-                raise RuntimeError("GradSync.join(): another rank changed requires_grad inside join() and stopped")
+                raise GradSyncError("GradSync.join(): another rank changed requires_grad inside join() and stopped")
             last = False
             works = []
             for b in self.buckets:  # the active ranks' step: zeros for each bucket, in bucket order
