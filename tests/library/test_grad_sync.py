@@ -711,3 +711,22 @@ def test_captured_step_equals_eager_on_two_gpus():
         for n, out in res.items():
             assert out["captured"], n
             assert out["param_diff"] < 1e-5 and out["loss_diff"] < 1e-5, (n, out)
+
+
+def _join_buffers(ctx, broadcast: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(192, 8), nn.BatchNorm1d(8), nn.Linear(8, 5))
+    sync = GradSync(model, broadcast_buffers=broadcast)
+    with sync.join():
+        for step in range(3 if ctx.rank == 1 else 1):  # rank 1 leaves join() last
+            x, y = _batch(10 * step + ctx.rank, B)
+            F.cross_entropy(model(x), y).backward()
+            sync.wait()
+    return [b.clone() for b in model.buffers()]
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_join_ends_with_the_last_joiners_buffers_as_ddp(broadcast):
+    r0, r1 = run_ranks(_join_buffers, 2, broadcast)
+    assert all(torch.equal(a, b) for a, b in zip(r0, r1)) == broadcast
+    assert int(r0[-1]) == (3 if broadcast else 1)  # num_batches_tracked: rank 1's three forwards, or rank 0's own one
