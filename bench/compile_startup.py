@@ -10,8 +10,10 @@ the first run left (warm: what a user's second launch sees). Rank 0 reports the 
 (torch import, init, model, first step, second step, the mean of the next steps), the compile
 counters (graphs compiled, recompilations, inductor's FX graph cache and AOTAutograd's cache: hits,
 misses, bypasses) and the whole command's wall time, measured here. Modes: ``distlib``
-(``GradSync`` + ``distlib.compile_for_sync``) and ``ddp`` (``torch.compile(DDP(model))``), both with
-inductor's default mode, bf16 autocast and channels_last on GPUs.
+(``GradSync`` + ``distlib.compile_for_sync``), ``ddp`` (``torch.compile(DDP(model))``) and ``plain``
+(``GradSync`` + ``torch.compile(model)``: one graph, no split), all with inductor's default mode,
+bf16 autocast and channels_last on GPUs. ``--compile-times`` prints dynamo's ``compile_times()``
+table of each run (where the compile time went).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = ("distlib", "ddp")
+MODES = ("distlib", "ddp", "plain")
 _TAG = "COMPILE_STARTUP "
 
 
@@ -37,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=raw,
                                 epilog=__doc__.split("\n\n", 1)[1])  # fmt: skip
     p.add_argument("--nproc", type=int, default=2, help="processes (torchrun --nproc-per-node), default 2")
-    p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES), help="comma-separated of distlib,ddp")
+    p.add_argument("--modes", type=lambda s: s.split(","), default=["distlib", "ddp"],
+                   help="comma-separated of distlib,ddp,plain (default distlib,ddp)")  # fmt: skip
     p.add_argument("--runs", choices=["both", "cold", "warm"], default="both",
                    help="cold (empty cache), warm (the cache as it is), or both in that order (default)")  # fmt: skip
     p.add_argument("--cache-dir", default=None, help="where each mode's inductor cache lives (default: a new temp dir)")
@@ -47,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=512, help="images per process (default 512)")
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--steps", type=int, default=10, help="steps after the first two, timed as a mean (default 10)")
+    p.add_argument("--compile-times", action="store_true", help="print dynamo's compile_times() table of each run")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # the mode, in a torchrun worker
     return p.parse_args(argv)
 
@@ -92,6 +96,9 @@ def child(args: argparse.Namespace) -> None:
     if args.child == "distlib":
         sync = distlib.GradSync(model)
         net = distlib.compile_for_sync(model, sync)
+    elif args.child == "plain":  # one graph, no split (the overlap is lost): what the split itself costs
+        sync = distlib.GradSync(model)
+        net = torch.compile(model)
     else:
         net = torch.compile(nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if gpu else None))
     g = torch.Generator().manual_seed(ctx.rank)
@@ -124,6 +131,8 @@ def child(args: argparse.Namespace) -> None:
     out = {"mode": args.child, "world_size": ctx.world_size, "device": str(device), **times, **_counters()}
     if ctx.is_main:
         print(_TAG + json.dumps(out), flush=True)
+        if args.compile_times:  # where the compile time went, by dynamo's and inductor's own phases
+            print(torch._dynamo.utils.compile_times(repr="str"), flush=True)
     distlib.shutdown()
 
 
@@ -137,12 +146,15 @@ def _run(mode: str, phase: str, cache: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            os.path.abspath(__file__), "--child", mode, "--device", args.device, "--model", args.model,
            "--width", str(args.width), "--batch", str(args.batch), "--image-size", str(args.image_size),
-           "--steps", str(args.steps)]  # fmt: skip
+           "--steps", str(args.steps)] + (["--compile-times"] if args.compile_times else [])  # fmt: skip
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": ROOT}
     t = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     wall = time.time() - t
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_TAG)]
+    if args.compile_times:
+        table = proc.stdout.split(_TAG, 1)[-1].split("\n", 1)[-1]
+        print(f"--- {mode} {phase}: compile_times ---\n{table}", flush=True)
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
         return {"mode": mode, "phase": phase, "error": f"exit status {proc.returncode}", "command_s": wall}
