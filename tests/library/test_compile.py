@@ -224,3 +224,19 @@ def test_compiled_buffers_broadcast_as_ddp():
         torch.testing.assert_close(r["compiled"]["eval"], r["ddp"]["eval"], **TOL)
         # train() to eval() recompiles once (BatchNorm's training flag); the hook's own state does not
         assert r["compiled"]["recompiles"] <= 1, r["compiled"]["recompiles"]
+
+
+def _inductor_imported(ctx) -> tuple[bool, bool]:
+    import sys
+
+    model = _net()
+    sync = GradSync(model, bucket_mb=0.016, first_bucket_mb=0.004)
+    before = "torch._inductor.compile_fx" in sys.modules
+    compile_for_sync(model, sync)  # not called: nothing is compiled
+    return before, "torch._inductor.compile_fx" in sys.modules
+
+
+def test_inductor_is_imported_when_compile_for_sync_is_called_as_by_torch_compile():
+    """Not in the first step: its start-up time is compared with torch.compile(DDP(model))'s."""
+    for before, after in run_ranks(_inductor_imported, 2, timeout=300):
+        assert (before, after) == (False, True)
