@@ -133,6 +133,7 @@ class EpochLoader:
     def set_epoch(self, epoch: int) -> None:
         """The epoch of the next pass (its order); as ``sampler.set_epoch`` in a DDP script."""
         self.sampler.set_epoch(epoch)
+        self.epoch = epoch
 
     def _take_epoch(self) -> int:
         requested = getattr(self.sampler, "requested_epoch", None)
