@@ -330,7 +330,7 @@ def _differently_frozen(ctx) -> str:
     try:
         sync.wait()
     except RuntimeError as e:
-        return str(e)
+        return f"{type(e).__name__}: {e}"
     finally:
         sync.close()
     return ""
@@ -350,7 +350,7 @@ def _mismatched_freeze(ctx) -> str:
         try:
             sync.wait()
         except RuntimeError as e:
-            message = str(e)
+            message = f"{type(e).__name__}: {e}"
     sync.close()
     return message
 
@@ -362,6 +362,7 @@ def test_matches_ddp_unused_parameters_and_requires_grad_changes():
     lists = [res.pop("mismatch_lists") for res in results]
     line = "rank 1: trainable only on rank 0: ['unused.bias']; only on rank 1: ['unused.weight']"
     assert lists[0] == lists[1] and "requires_grad changed differently" in lists[0] and line in lists[0], lists
+    assert all(m.startswith("GradSyncError: ") for m in lists + mismatch), (lists, mismatch)  # a DistlibError
     _report(results)
     assert "'fc2.weight' no longer requires grad on this rank but another rank" in mismatch[0], mismatch
     assert "'out.weight' no longer requires grad on this rank but another rank" in mismatch[1], mismatch
