@@ -200,11 +200,13 @@ def distributed_loader(
 ) -> EpochLoader:
     """A DataLoader over this rank's shard of ``dataset``; ``batch_size`` is per rank.
 
-    A map-style dataset is shuffled (``shuffle`` defaults to True) by a
-    DistributedSampler, which pads so that every rank takes the same number of
-    batches. ``exact=True`` (for evaluation) gives every sample to exactly one rank
-    without that padding, so a metric summed over ranks counts each sample once.
-    Each new pass over the returned loader advances the sampler's epoch.
+    A map-style dataset is shuffled (``shuffle`` defaults to True, with ``seed + epoch``) by a
+    DistributedSampler, which pads so that every rank takes the same number of batches.
+    ``drop_last=True`` applies to both the sampler (the tail is dropped instead of padded with
+    repeated samples) and the DataLoader (the last short batch is dropped). ``exact=True`` (for
+    evaluation) gives every sample to exactly one rank without that padding, so a metric summed
+    over ranks counts each sample once. The returned ``EpochLoader`` advances the epoch when a pass
+    is completed and honours ``set_epoch`` on itself or its sampler (see ``EpochLoader``).
 
     An IterableDataset is split by ``ShardedIterable``: every sample exactly once
     per pass over ranks and DataLoader workers, without padding, in the dataset's
