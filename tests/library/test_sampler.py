@@ -290,3 +290,14 @@ def test_exact_shuffle_follows_the_seed():
     for r, shard in enumerate(orders(7)):
         perm[r::3] = shard
     assert perm == torch.randperm(30, generator=torch.Generator().manual_seed(7)).tolist()
+
+
+def test_checkpointer_saves_the_loader(tmp_path):
+    from distlib.checkpoint import Checkpointer
+
+    loader = distlib.distributed_loader(dataset(41), 3, num_replicas=2, rank=1)
+    indices(loader)
+    Checkpointer(str(tmp_path)).save({"loader": loader}, epoch=1, step=0, global_step=14, fingerprint={})
+    resumed = distlib.distributed_loader(dataset(41), 3, num_replicas=2, rank=1)
+    Checkpointer(str(tmp_path)).load({"loader": resumed}, fingerprint={})
+    assert indices(resumed) == ddp_epoch(41, 2, 1, 1)
