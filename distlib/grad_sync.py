@@ -535,6 +535,9 @@ class GradSync:
             if not self._rebuilt:
                 self._rebuild()  # the active ranks rebuild after their first synced step
         self._take_last_joiner(last)
+        # every rank broadcasts at its next forward, whatever its last forward in the block was (a rank
+        # may have had none): the same collectives on every rank
+        self._forward_sync = True
 
     @torch.no_grad()
     def _take_last_joiner(self, last: bool) -> None:
