@@ -34,7 +34,7 @@ from distlib.log import get_logger
 from distlib.model_check import ModelMismatchError
 from distlib.process_group import Context, EnvError, init, shutdown
 from distlib.sampler import EpochLoader as EpochLoader  # returned by distributed_loader; kept importable
-from distlib.sampler import ExactDistributedSampler, distributed_loader
+from distlib.sampler import ExactDistributedSampler, LoaderError, distributed_loader
 from distlib.stop import StopSignal
 from distlib.watchdog import Watchdog
 
@@ -52,6 +52,7 @@ __all__ = [
     "ExactDistributedSampler",
     "GradSync",
     "GradSyncError",
+    "LoaderError",
     "ModelMismatchError",
     "Replicas",
     "StopSignal",

@@ -12,6 +12,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, get_worker_info
 
 from distlib import collectives
+from distlib.errors import DistlibError
+
+
+class LoaderError(DistlibError, ValueError):
+    """A ``distributed_loader`` or sampler argument that cannot work (the message says why and what to
+    pass instead). A ValueError too, as these were before."""
 
 
 class _Epochs:
@@ -35,7 +41,7 @@ class ExactDistributedSampler(_Epochs, Sampler[int]):
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int, shuffle: bool = False, seed: int = 0):
         if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
+            raise LoaderError(f"rank {rank} is not in [0, {num_replicas})")
         self.n = len(dataset)  # type: ignore[arg-type]
         self.num_replicas = num_replicas
         self.rank = rank
@@ -71,7 +77,7 @@ class ShardedIterable(_Epochs, IterableDataset):
 
     def __init__(self, dataset: IterableDataset, num_replicas: int, rank: int):
         if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
+            raise LoaderError(f"rank {rank} is not in [0, {num_replicas})")
         self.dataset = dataset
         self.num_replicas = num_replicas
         self.rank = rank
@@ -220,7 +226,10 @@ def distributed_loader(
     num_replicas = collectives.world_size() if num_replicas is None else num_replicas
     rank = collectives.rank() if rank is None else rank
     if "sampler" in dataloader_kwargs or "batch_sampler" in dataloader_kwargs:
-        raise ValueError("distributed_loader makes its own sampler; do not pass sampler or batch_sampler")
+        raise LoaderError(
+            "distributed_loader makes its own sampler; do not pass sampler or batch_sampler "
+            "(shuffle, seed, drop_last and exact choose what it does)"
+        )
     if isinstance(dataset, IterableDataset):
         return _iterable_loader(dataset, batch_size, shuffle, drop_last, num_replicas, rank, dataloader_kwargs)
     shuffle = True if shuffle is None else shuffle
@@ -247,12 +256,12 @@ def _iterable_loader(
 ) -> EpochLoader:
     name = type(dataset).__name__
     if shuffle:
-        raise ValueError(
+        raise LoaderError(
             f"shuffle=True cannot reorder an IterableDataset ({name}): it yields its samples in its own order; "
             "shuffle inside the dataset (its set_epoch(epoch) is called before each pass) and leave shuffle unset"
         )
     if dataloader_kwargs.get("persistent_workers") and hasattr(dataset, "set_epoch"):
-        raise ValueError(
+        raise LoaderError(
             f"persistent_workers=True keeps each worker's copy of {name} from the first pass, so its set_epoch "
             "would never reach the workers; use persistent_workers=False"
         )

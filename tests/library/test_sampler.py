@@ -193,7 +193,7 @@ def test_drop_last_drops_the_tail_everywhere():
 def test_dataloader_kwargs_pass_through_and_sampler_is_refused():
     loader = distlib.distributed_loader(dataset(10), batch_size=4, num_replicas=1, rank=0, shuffle=False)
     assert [len(b) for (b,) in loader] == [4, 4, 2] and len(loader) == 3
-    with pytest.raises(ValueError, match="do not pass sampler or batch_sampler"):
+    with pytest.raises(distlib.LoaderError, match="do not pass sampler or batch_sampler"):
         distlib.distributed_loader(dataset(10), batch_size=4, sampler=None)
     with pytest.raises(ValueError, match=r"rank 3 is not in \[0, 3\)"):
         distlib.distributed_loader(dataset(10), batch_size=4, num_replicas=3, rank=3, exact=True)
