@@ -86,8 +86,20 @@ def child(args: argparse.Namespace) -> None:
     device = ctx.device
     times["init_s"] = time.time() - t
     t = time.time()
+
+    class Model(nn.Module):
+        """The model under a class of this file: dynamo does not compile a frame of torch.nn's own
+        (a bare nn.Sequential) that it is handed directly, as DDP's forward hands it the module."""
+
+        def __init__(self, body: nn.Module):
+            super().__init__()
+            self.body = body
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x)
+
     torch.manual_seed(0)
-    model = build_model(args.model, 10, args.width).to(device)
+    model = Model(build_model(args.model, 10, args.width)).to(device)
     gpu = device.type == "cuda"
     if gpu:
         model = model.to(memory_format=torch.channels_last)
