@@ -142,23 +142,13 @@ def _explicit(init_method: str | None, rank: int | None, world_size: int | None)
                    launcher="init_method")  # fmt: skip
 
 
-_EXPORTED: dict[str, str] = {}  # what _export_single_process_env set; not a launcher's environment
-
-
 def _export_single_process_env() -> None:
     """World size 1: the variables torchrun sets, where absent, so that a script's own
     ``int(os.environ["LOCAL_RANK"])`` works under ``python script.py`` as under torchrun."""
+    # A second init(), or a child process that inherits them, reads them as a world of one process
+    # (launchers.detect: WORLD_SIZE=1 without MASTER_ADDR/MASTER_PORT needs no rendezvous).
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
-        if key not in os.environ:
-            os.environ[key] = _EXPORTED[key] = value
-
-
-def _launcher_env() -> dict[str, str]:
-    """os.environ without the variables an earlier init() exported itself, while they all still hold
-    what it set (a second init() in the process must not read them as a half-set launcher's)."""
-    if not _EXPORTED or any(os.environ.get(k) != v for k, v in _EXPORTED.items()):
-        return dict(os.environ)
-    return {k: v for k, v in os.environ.items() if k not in _EXPORTED}
+        os.environ.setdefault(key, value)
 
 
 def init(
@@ -188,7 +178,7 @@ def init(
     """
     global _CONTEXT, _timeout_s, _atexit_registered
     explicit = _explicit(init_method, rank, world_size)
-    info = explicit if explicit is not None else parse_env(_launcher_env())
+    info = explicit if explicit is not None else parse_env()
     name = resolve_backend(backend)
     if info is None:
         info = EnvInfo(rank=0, local_rank=0, world_size=1, local_world_size=1)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -163,8 +165,21 @@ def test_init_at_world_size_1_sets_torchruns_variables(no_torchrun):
     try:
         assert [os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")] == ["0", "0", "1", "1"]
         assert distlib.init("gloo").world_size == 1  # a second init() does not take them for a half-set launcher
+        # nor does a child process that inherits them
+        code = "import distlib; print(distlib.init('gloo').world_size); distlib.shutdown()"
+        from tests.conftest import ROOT
+
+        child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert child.returncode == 0 and child.stdout.strip() == "1", child.stderr
     finally:
         distlib.shutdown()
+
+
+def test_one_process_variables_are_world_size_1_but_a_world_of_two_is_not():
+    one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    assert parse_env(one) is None
+    with pytest.raises(EnvError, match="MASTER_ADDR, MASTER_PORT missing"):
+        parse_env({**one, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
 
 
 def test_init_method_needs_rank_and_world_size(no_torchrun):
