@@ -395,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}[args.device]
     ctx = distlib.init(backend, timeout_s=max(600.0, args.hang_timeout_s))
     results, complete = bench(args, ctx)
+    environment = collect_environment(ctx) if complete else {}  # a collective: every rank
     if ctx.is_main:
         text = format_table(results, args, peak_tflops(ctx.device, args.peak_tflops))
         if not complete:
@@ -402,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text, flush=True)
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            out = {"environment": collect_environment(ctx), "args": vars(args), "results": [asdict(r) for r in results]}
+            out = {"environment": environment, "args": vars(args), "results": [asdict(r) for r in results]}
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=2, default=str)
     if not complete:  # a teardown could wait forever on the collective a failed rank left unmatched
