@@ -26,7 +26,9 @@ compiled model's kernels replayed inside distlib's whole-step CUDA graph, Captur
 single-compile-graph (the same on one GPU, every rank alone). Runs on CPU/gloo too, with small
 sizes.
 
-The last lines printed are a short summary table; ``--json PATH`` writes every result.
+Every figure is the median of the timed steps (iterations for allreduce) after the warm-up, the
+slowest rank's. The last lines printed are a short summary table; ``--json PATH`` writes every
+result. BENCHMARKS.md, "Training step" and "Gradient all_reduce".
 """
 
 from __future__ import annotations
