@@ -10,10 +10,12 @@
 #                with bench/baselines/allreduce_bw.py                            ("Gradient all_reduce")
 #   fallback     one process driving every GPU, against nn.DataParallel, DDP and one GPU
 #                (bench/fallback_bench.py, which runs its baselines itself)       ("Fallback mode")
-#   gpt          GPT training step at 124M, 355M and 1.5B, every mode of bench/gpt_step.py, with
-#                bench/baselines/gpt_ddp.py on one GPU and with DDP              ("GPT training step")
-#   sharding     bench/gpt_step.py at 1.5B, 6.7B, 10B and 13B: DDP, ZeroRedundancyOptimizer, FSDP2 (eager
-#                and compiled blocks) and distlib, unsharded and sharded         ("Sharded training")
+#   gpt          GPT training step at each of GPT_SIZES (default "124M 355M 1.5B"), one command per size:
+#                bench/gpt_step.py's single-GPU, DDP and distlib modes, with bench/baselines/gpt_ddp.py
+#                on one GPU and with DDP                                         ("GPT training step")
+#   sharding     bench/gpt_step.py at each of SHARD_SIZES (default "1.5B 6.7B 10B 13B"): DDP,
+#                ZeroRedundancyOptimizer, FSDP2 (eager and compiled blocks) and distlib, unsharded and
+#                sharded; OOM where a mode cannot hold the model                 ("Sharded training")
 #   flagship     bench/flagship.sh on recipes/cifar.yaml (floor, cold, warm), with
 #                bench/baselines/ddp_cifar.py                                     ("Flagship timeline")
 #   cifar        bench/recipes.py: recipes/cifar.yaml and cifar_accuracy.yaml over three seeds, with
@@ -22,7 +24,8 @@
 #                the same text (GPT_BASELINE_ARGS: the recipe's model, batch and schedule) ("GPT recipe")
 #
 # Env: OUT (logs and JSON, default .bench/out), NPROC (processes, default every GPU), CIFAR (default
-# .bench/cifar10-jpeg.tar.gz), TEXT (default .bench/shakespeare.txt.gz), LIMIT_S (per command, 540).
+# .bench/cifar10-jpeg.tar.gz), TEXT (default .bench/shakespeare.txt.gz), LIMIT_S (per command, 540),
+# GPT_ARGS (more arguments of bench/gpt_step.py, e.g. "--batch 8"), PYTHON (default python3).
 # Each command's log is $OUT/<name>.log; the table at the end gives each command's exit status and time.
 set -u
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
@@ -33,6 +36,7 @@ OUT=${OUT:-.bench/out}
 CIFAR=${CIFAR:-.bench/cifar10-jpeg.tar.gz}
 TEXT=${TEXT:-.bench/shakespeare.txt.gz}
 LIMIT_S=${LIMIT_S:-540}
+PY=${PYTHON:-python3}
 NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | grep -c GPU)}
 [ "$NPROC" -ge 1 ] 2>/dev/null || NPROC=1
 mkdir -p "$OUT"
@@ -40,7 +44,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
 unset PYTHONDONTWRITEBYTECODE
-TORCHRUN="python3 -m torch.distributed.run --standalone --nproc-per-node=$NPROC"
+TORCHRUN="$PY -m torch.distributed.run --standalone --nproc-per-node=$NPROC"
 STATUS="$OUT/status.txt"
 : >"$STATUS"
 
@@ -56,12 +60,12 @@ run() {  # run NAME COMMAND...: under LIMIT_S, logged to $OUT/NAME.log, its stat
 show() {  # show NAME [LINES]: the end of NAME's log, where each command prints its own table
     [ -f "$OUT/$1.log" ] || return 0
     echo "--- $1"
-    grep -v '^\[rank\|^W[0-9]\|^\[distlib rank\|UserWarning\|^  warnings\.' "$OUT/$1.log" | tail -n "${2:-12}"
+    grep -v '^{"\|^\[rank\|^W[0-9]\|^\[distlib rank\|UserWarning\|^  warnings\.' "$OUT/$1.log" | tail -n "${2:-12}"
 }
 
 {
     nvidia-smi -L 2>/dev/null
-    python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "NCCL",
+    $PY -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "NCCL",
       ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-")'
     echo "commit $(cat .bench/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)"
 } | tee "$OUT/environment.txt"
@@ -70,7 +74,7 @@ for suite in "$@"; do
     case $suite in
     step)
         run step $TORCHRUN -m bench.step step --json "$OUT/step.json"
-        run step_baseline_single env MODE=single BATCH=512 python3 bench/baselines/rn18_throughput.py
+        run step_baseline_single env MODE=single BATCH=512 $PY bench/baselines/rn18_throughput.py
         run step_baseline_ddp env MODE=ddp BATCH=512 $TORCHRUN bench/baselines/rn18_throughput.py
         ;;
     allreduce)
@@ -78,22 +82,28 @@ for suite in "$@"; do
         run allreduce_baseline $TORCHRUN bench/baselines/allreduce_bw.py
         ;;
     fallback)
-        run fallback python3 bench/fallback_bench.py --anchor bench/baselines --json "$OUT/fallback.json"
+        run fallback $PY bench/fallback_bench.py --anchor bench/baselines --json "$OUT/fallback.json"
         ;;
     gpt)
-        run gpt $TORCHRUN -m bench.gpt_step --sizes 124M,355M,1.5B \
-            --modes single-compile,ddp-compile,distlib,distlib-compile,distlib-graph --json "$OUT/gpt.json"
-        for size in "12 12 768" "24 16 1024" "48 25 1600"; do
-            read -r layers heads width <<<"$size"
-            shape="--n-layer $layers --n-head $heads --n-embd $width"
-            run "gpt_baseline_single_${layers}x$width" python3 bench/baselines/gpt_ddp.py $shape
-            run "gpt_baseline_ddp_${layers}x$width" $TORCHRUN bench/baselines/gpt_ddp.py $shape
+        for size in ${GPT_SIZES:-124M 355M 1.5B}; do
+            run "gpt_$size" $TORCHRUN -m bench.gpt_step --sizes "$size" \
+                --modes single-compile,ddp-compile,distlib,distlib-compile,distlib-graph --json "$OUT/gpt_$size.json" ${GPT_ARGS:-}
+            case $size in  # the same model in the hand-written baseline: layers, heads, width
+            124M) shape="--n-layer 12 --n-head 12 --n-embd 768" ;;
+            355M) shape="--n-layer 24 --n-head 16 --n-embd 1024" ;;
+            1.5B) shape="--n-layer 48 --n-head 25 --n-embd 1600" ;;
+            *) continue ;;
+            esac
+            run "gpt_${size}_baseline_single" $PY bench/baselines/gpt_ddp.py $shape
+            run "gpt_${size}_baseline_ddp" $TORCHRUN bench/baselines/gpt_ddp.py $shape
         done
         ;;
     sharding)
-        run sharding $TORCHRUN -m bench.gpt_step --sizes 1.5B,6.7B,10B,13B \
-            --modes ddp,zero-redundancy,fsdp2,fsdp2-compile,distlib,distlib-graph,distlib-zero,distlib-fsdp \
-            --json "$OUT/sharding.json"
+        for size in ${SHARD_SIZES:-1.5B 6.7B 10B 13B}; do
+            run "sharding_$size" $TORCHRUN -m bench.gpt_step --sizes "$size" \
+                --modes ddp,zero-redundancy,fsdp2,fsdp2-compile,distlib,distlib-graph,distlib-zero,distlib-fsdp \
+                --json "$OUT/sharding_$size.json" ${GPT_ARGS:-}
+        done
         ;;
     flagship)
         run flagship env NPROC="$NPROC" BUDGET_S=$((LIMIT_S - 60)) COLD_AGAIN=1 \
@@ -101,13 +111,13 @@ for suite in "$@"; do
         run flagship_baseline env TAR="$(realpath "$CIFAR")" EPOCHS=18 BATCH=256 $TORCHRUN bench/baselines/ddp_cifar.py
         ;;
     cifar)
-        run cifar python3 bench/recipes.py --nproc "$NPROC" --data "$CIFAR" --out /tmp/distlib-recipes \
+        run cifar $PY bench/recipes.py --nproc "$NPROC" --data "$CIFAR" --out /tmp/distlib-recipes \
             --run "fast:recipes/cifar.yaml" --run "accuracy:recipes/cifar_accuracy.yaml" --seeds 0 1 2 \
             --json "$OUT/cifar.json"
         run cifar_baseline env TAR="$(realpath "$CIFAR")" EPOCHS=18 BATCH=256 $TORCHRUN bench/baselines/ddp_cifar.py
         ;;
     shakespeare)
-        run shakespeare python3 bench/recipes.py --nproc "$NPROC" --data "$TEXT" --out /tmp/distlib-recipes \
+        run shakespeare $PY bench/recipes.py --nproc "$NPROC" --data "$TEXT" --out /tmp/distlib-recipes \
             --run "gpt:recipes/gpt_shakespeare.yaml" --json "$OUT/shakespeare.json"
         # shellcheck disable=SC2086  # the arguments are words
         run shakespeare_baseline $TORCHRUN bench/baselines/gpt_ddp.py --data "$TEXT" ${GPT_BASELINE_ARGS:---vocab 256 \
@@ -120,7 +130,10 @@ for suite in "$@"; do
 done
 
 # each command's own table, then the status of every command
-for name in step allreduce gpt sharding fallback cifar shakespeare; do show $name 30; done
+for name in step allreduce fallback cifar shakespeare; do show $name 30; done
+for log in "$OUT"/gpt_*.log "$OUT"/sharding_*.log; do
+    case $log in *baseline*) ;; *) [ -f "$log" ] && show "$(basename "$log" .log)" 14 ;; esac
+done
 for log in "$OUT"/*baseline*.log; do [ -f "$log" ] && show "$(basename "$log" .log)" 2; done
 show flagship 20
 echo "=== commands"
