@@ -394,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     backend = {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}[args.device]
     ctx = distlib.init(backend, timeout_s=max(600.0, args.hang_timeout_s))
+    torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 matmuls outside autocast, as the baseline has them
     results, complete = bench(args, ctx)
     environment = collect_environment(ctx) if complete else {}  # a collective: every rank
     if ctx.is_main:

@@ -106,7 +106,7 @@ for suite in "$@"; do
         done
         ;;
     flagship)
-        run flagship env NPROC="$NPROC" BUDGET_S=$((LIMIT_S - 60)) COLD_AGAIN=1 \
+        run flagship env NPROC="$NPROC" PYTHON="$PY" BUDGET_S=$((LIMIT_S - 60)) COLD_AGAIN=1 \
             bash bench/flagship.sh "$CIFAR" "$OUT/flagship"
         run flagship_baseline env TAR="$(realpath "$CIFAR")" EPOCHS=18 BATCH=256 $TORCHRUN bench/baselines/ddp_cifar.py
         ;;
