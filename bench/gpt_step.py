@@ -22,8 +22,9 @@ distlib (GradSync, eager), distlib-compile (GradSync around ``compile_for_sync``
 distlib-zero and distlib-fsdp (distlib's optimizer and full sharding; "not available" until the
 library has them).
 
-A mode that runs out of GPU memory is reported as "OOM" and the run goes on with the next, so one
-command finds the largest model each mode trains (if only some ranks fail, the ranks can no longer
+A mode that runs out of GPU memory is reported as "OOM" and the run goes on with the next (and
+skips the mode for models with more parameters), so one command finds the largest model each mode
+trains (if only some ranks fail, the ranks can no longer
 agree on the collectives in flight: the run then stops after printing what it has). One JSON line
 per result as it comes (``--json PATH`` keeps them all), a table last. Runs on CPU/gloo with tiny
 sizes (``--device cpu --sizes 2x64 --vocab 256 --seq-len 32``). BENCHMARKS.md, "GPT training step".
@@ -272,14 +273,18 @@ def _build(mode: str, cfg: GPTConfig, args, ctx) -> tuple[Callable[[], None], Ca
     return step, close
 
 
-def run_mode(mode: str, size: str, args, ctx, agree: Agreement) -> GptResult:
-    device, world = ctx.device, ctx.world_size
+def model_config(size: str, args) -> tuple[GPTConfig, int, int]:
+    """The GPT of ``size``, its parameter count and its training FLOPs per token (built on the meta device)."""
     n_layer, n_head, n_embd = parse_size(size)
     cfg = GPTConfig(args.vocab, args.seq_len, n_layer, n_head, n_embd, 0.0, False)
     with torch.device("meta"):
         meta = GPT(cfg)
-    params, flops = meta.num_params(), meta.flops_per_token(args.seq_len)
-    del meta
+    return cfg, meta.num_params(), meta.flops_per_token(args.seq_len)
+
+
+def run_mode(mode: str, size: str, args, ctx, agree: Agreement) -> GptResult:
+    device, world = ctx.device, ctx.world_size
+    cfg, params, flops = model_config(size, args)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     close = lambda: None  # noqa: E731
@@ -314,14 +319,21 @@ def bench(args, ctx) -> tuple[list[GptResult], bool]:
     """Every (size, mode); the second value is False when the run had to stop early."""
     agree = Agreement(ctx.world_size)
     results = []
+    oom_at: dict[str, int] = {}  # mode -> the fewest parameters it ran out of memory with
     for size in args.sizes:
+        params = model_config(size, args)[1]
         for mode in args.modes:
             watchdog(args.hang_timeout_s)
             fatal = False
-            try:
-                res = run_mode(mode, size, args, ctx, agree)
-            except ModeFailed as e:
-                res, fatal = GptResult(mode, size, note=e.note), e.fatal
+            if params >= oom_at.get(mode, params + 1):  # a larger model than one it could not hold
+                res = GptResult(mode, size, params, note="OOM (at a smaller size already)")
+            else:
+                try:
+                    res = run_mode(mode, size, args, ctx, agree)
+                except ModeFailed as e:
+                    res, fatal = GptResult(mode, size, params, note=e.note), e.fatal
+                    if e.note == "OOM":
+                        oom_at[mode] = min(params, oom_at.get(mode, params))
             _clear(ctx.device)
             results.append(res)
             if ctx.is_main:

@@ -215,7 +215,10 @@ def test_gpt_step_reports_oom_and_goes_on(monkeypatch):
 
     from bench import gpt_step
 
+    built: list[tuple[str, int]] = []
+
     def build(mode, cfg, args, ctx):
+        built.append((mode, cfg.n_layer))
         if mode == "single-compile":
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         if mode == "ddp":
@@ -228,13 +231,16 @@ def test_gpt_step_reports_oom_and_goes_on(monkeypatch):
         return (lambda: None), (lambda: None)
 
     monkeypatch.setattr(gpt_step, "_build", build)
-    args = gpt_step.parse_args([*GPT_TINY, "--modes=single-compile,ddp,fsdp2,distlib"])
+    args = gpt_step.parse_args([*GPT_TINY, "--modes=single-compile,ddp,fsdp2,distlib", "--sizes=2x64,1x64,4x64"])
     ctx = types.SimpleNamespace(world_size=1, device=torch.device("cpu"), is_main=True)
     results, complete = gpt_step.bench(args, ctx)
     assert complete
     assert [(r.mode, r.note) for r in results[:2]] == [("single-compile", "OOM"), ("ddp", "OOM")]
     assert results[2].note == "ValueError: a real bug"
     assert not results[3].note and results[3].tokens_per_s > 0
+    # a smaller model is tried again; a larger one than a mode ran out of memory with is not
+    assert ("single-compile", 1) in built and ("single-compile", 4) not in built and ("fsdp2", 4) in built
+    assert results[8].size == "4x64" and results[8].note.startswith("OOM (at a smaller size")
 
 
 def test_gpt_step_arguments(capsys):
