@@ -24,9 +24,9 @@ library has them).
 
 A mode that runs out of GPU memory is reported as "OOM" and the run goes on with the next (and
 skips the mode for models with more parameters), so one command finds the largest model each mode
-trains (if only some ranks fail, the ranks can no longer
-agree on the collectives in flight: the run then stops after printing what it has). One JSON line
-per result as it comes (``--json PATH`` keeps them all), a table last. Runs on CPU/gloo with tiny
+trains (if only some ranks fail, the ranks can no longer agree on the collectives in flight: the
+run then stops after printing what it has). One JSON line per result as it comes (``--json PATH``
+keeps them all), a table last. Runs on CPU/gloo with tiny
 sizes (``--device cpu --sizes 2x64 --vocab 256 --seq-len 32``). BENCHMARKS.md, "GPT training step".
 """
 
