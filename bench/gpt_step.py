@@ -230,7 +230,9 @@ def _build(mode: str, cfg: GPTConfig, args, ctx) -> tuple[Callable[[], None], Ca
             from distlib.compile import compile_for_sync
             from distlib.grad_sync import GradSync
 
-            sync = GradSync(model, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
+            sync = GradSync(
+                model, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb, comm_groups=args.comm_groups
+            )
             closers.append(sync.close)
             if mode != "distlib":
                 net = compile_for_sync(model, sync, backend=backend)
@@ -383,6 +385,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (default 1.0)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP/GradSync bucket size (default 25)")
     p.add_argument("--first-bucket-mb", type=float, default=1.0, help="GradSync's first bucket (default 1)")
+    p.add_argument("--comm-groups", type=int, default=2, help="GradSync's communicators (default 2, the runner's)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak per GPU (default: from its name)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA when present")
