@@ -159,13 +159,17 @@ class Agreement:
 
 
 # ---- building a mode ------------------------------------------------------------------------
-def _optimizer(model: nn.Module, args, device: torch.device, zero: bool = False) -> torch.optim.Optimizer:
+def _optimizer(
+    model: nn.Module, args, device: torch.device, zero: bool = False, capturable: bool = False
+) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     kw = {"lr": args.lr, "betas": (0.9, 0.95), "fused": device.type == "cuda"}
+    if capturable:  # torch's check before a CUDA-graph capture asks Adam(W) for it, fused or not
+        kw["capturable"] = True
     if zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -238,7 +242,7 @@ def _build(mode: str, cfg: GPTConfig, args, ctx) -> tuple[Callable[[], None], Ca
                 net = compile_for_sync(model, sync, backend=backend)
         elif mode == "single-compile":
             net = torch.compile(model, backend=backend)
-    opt = _optimizer(model, args, device, zero=mode == "zero-redundancy")
+    opt = _optimizer(model, args, device, zero=mode == "zero-redundancy", capturable=mode == "distlib-graph")
     params = [p for p in model.parameters() if p.requires_grad]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 

@@ -21,11 +21,12 @@
 #   cifar        bench/recipes.py: recipes/cifar.yaml and cifar_accuracy.yaml over three seeds, with
 #                bench/baselines/ddp_cifar.py                                     ("Time to accuracy")
 #   shakespeare  bench/recipes.py on recipes/gpt_shakespeare.yaml, with bench/baselines/gpt_ddp.py on
-#                the same text (GPT_BASELINE_ARGS: the recipe's model, batch and schedule) ("GPT recipe")
+#                the same text, model, batch and schedule                         ("GPT recipe")
 #
 # Env: OUT (logs and JSON, default .bench/out), NPROC (processes, default every GPU), CIFAR (default
-# .bench/cifar10-jpeg.tar.gz), TEXT (default .bench/shakespeare.txt.gz), LIMIT_S (per command, 540),
-# GPT_ARGS (more arguments of bench/gpt_step.py, e.g. "--batch 8"), PYTHON (default python3).
+# .bench/cifar10-jpeg.tar.gz), TEXT (default data/shakespeare.txt.gz, where the recipe reads it),
+# LIMIT_S (per command, 540), GPT_ARGS (more arguments of bench/gpt_step.py, e.g. "--batch 8"),
+# GPT_BASELINE_ARGS (the shakespeare baseline's, default the recipe's), PYTHON (default python3).
 # Each command's log is $OUT/<name>.log; the table at the end gives each command's exit status and time.
 set -u
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
@@ -34,7 +35,7 @@ if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
 fi
 OUT=${OUT:-.bench/out}
 CIFAR=${CIFAR:-.bench/cifar10-jpeg.tar.gz}
-TEXT=${TEXT:-.bench/shakespeare.txt.gz}
+TEXT=${TEXT:-data/shakespeare.txt.gz}
 LIMIT_S=${LIMIT_S:-540}
 PY=${PYTHON:-python3}
 NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | grep -c GPU)}
@@ -87,7 +88,8 @@ for suite in "$@"; do
     gpt)
         for size in ${GPT_SIZES:-124M 355M 1.5B}; do
             run "gpt_$size" $TORCHRUN -m bench.gpt_step --sizes "$size" \
-                --modes single-compile,ddp-compile,distlib,distlib-compile,distlib-graph --json "$OUT/gpt_$size.json" ${GPT_ARGS:-}
+                --modes single-compile,ddp-compile,distlib,distlib-compile,distlib-graph \
+                --json "$OUT/gpt_$size.json" ${GPT_ARGS:-}
             case $size in  # the same model in the hand-written baseline: layers, heads, width
             124M) shape="--n-layer 12 --n-head 12 --n-embd 768" ;;
             355M) shape="--n-layer 24 --n-head 16 --n-embd 1024" ;;
@@ -117,11 +119,15 @@ for suite in "$@"; do
         run cifar_baseline env TAR="$(realpath "$CIFAR")" EPOCHS=18 BATCH=256 $TORCHRUN bench/baselines/ddp_cifar.py
         ;;
     shakespeare)
+        # recipes/gpt_shakespeare.yaml's model, batch (64 sequences of 512 bytes in all) and schedule (10 epochs
+        # of ~9,400 windows: 1,460 steps, 5% warm-up, cosine to a tenth), the batch per GPU here
+        SHAKESPEARE_RECIPE="--vocab 256 --block-size 512 --n-layer 8 --n-head 8 --n-embd 512 --dropout 0.1 \
+            --batch $((64 / NPROC)) --steps 1460 --lr 1e-3 --lr-warmup 73 --eval-every 292"
         run shakespeare $PY bench/recipes.py --nproc "$NPROC" --data "$TEXT" --out /tmp/distlib-recipes \
             --run "gpt:recipes/gpt_shakespeare.yaml" --json "$OUT/shakespeare.json"
         # shellcheck disable=SC2086  # the arguments are words
-        run shakespeare_baseline $TORCHRUN bench/baselines/gpt_ddp.py --data "$TEXT" ${GPT_BASELINE_ARGS:---vocab 256 \
-            --block-size 256 --n-layer 6 --n-head 6 --n-embd 384 --batch 32 --steps 2000 --lr 1e-3}
+        run shakespeare_baseline $TORCHRUN bench/baselines/gpt_ddp.py --data "$TEXT" \
+            ${GPT_BASELINE_ARGS:-$SHAKESPEARE_RECIPE}
         ;;
     *)
         echo "unknown suite $suite (bash bench/run.sh --help)" | tee -a "$STATUS"

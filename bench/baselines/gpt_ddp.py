@@ -7,8 +7,9 @@ Throughput on random tokens (no --data), sizes as given:
     python bench/baselines/gpt_ddp.py --n-layer 12 --n-head 12 --n-embd 768      # one GPU, no DDP
 
 Byte-level training on a text file to a validation loss (the last 5% of the bytes):
-    torchrun --nproc-per-node=2 bench/baselines/gpt_ddp.py --data .bench/shakespeare.txt.gz \
-        --vocab 256 --block-size 256 --n-layer 6 --n-head 6 --n-embd 384 --batch 64 --steps 2000 --lr 1e-3
+    torchrun --nproc-per-node=2 bench/baselines/gpt_ddp.py --data data/shakespeare.txt.gz --vocab 256 \
+        --block-size 512 --n-layer 8 --n-head 8 --n-embd 512 --dropout 0.1 --batch 32 --steps 1460 --lr 1e-3 \
+        --lr-warmup 73 --eval-every 292
 
 Prints progress lines and one line starting with RESULT.
 """
