@@ -1,3 +1,4 @@
-"""Benchmarks and their baselines (not part of the library): ``python -m bench.step --help``,
-``bench/fallback_bench.py``, ``bench/baselines/``. They may use the recipe runner
-(``distlib.runner``: models, environment report); the library never imports them."""
+"""Benchmarks and their baselines (not part of the library): one entry point per kind of
+measurement (``bench/run.sh --help`` lists them; docs/benchmarks.md says how they measure), the
+hand-written baselines in ``bench/baselines/``. They may use the recipe runner (``distlib.runner``:
+models, environment report); the library never imports them."""

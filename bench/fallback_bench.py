@@ -6,6 +6,8 @@ GPU by default. nn.DataParallel, DDP eager and one GPU eager come from the basel
 per-replica CUDA graphs) runs in this process, followed by where a fallback step's time goes.
 
     python bench/fallback_bench.py [--anchor bench/baselines] [--batch 512] [--json out.json]
+
+BENCHMARKS.md, "Fallback mode".
 """
 
 from __future__ import annotations

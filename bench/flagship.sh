@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start-up and end-to-end time of the flagship, timed from outside, on one machine:
+# The flagship timeline: start-up and end-to-end time of a recipe run, timed from outside, on one machine:
 #   the floor (torchrun of bench/floor.py: import torch, process group, one all_reduce),
 #   the flagship with a cold decode cache (the first decode of the JPEGs), then with the warm cache,
 #   three seeds in all where the time budget allows, then (COLD_AGAIN=1) once more with the cache
@@ -12,6 +12,7 @@
 #      WORK (/tmp/distlib-flagship: the runs' out_dirs with their checkpoints, and the decode caches).
 # Writes OUT_DIR/logs/*.log, OUT_DIR/runs/<name>/{summary.json,metrics.jsonl}, OUT_DIR/results.json; prints a table.
 set -u
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0; fi
 DATA=${1:?usage: bench/flagship.sh DATA_ROOT [OUT_DIR]}
 OUT_DIR=${2:-${OUT:-.bench/flagship}}
 RECIPE=${RECIPE:-recipes/cifar.yaml}

@@ -26,7 +26,9 @@ compiled model's kernels replayed inside distlib's whole-step CUDA graph, Captur
 single-compile-graph (the same on one GPU, every rank alone). Runs on CPU/gloo too, with small
 sizes.
 
-The last lines printed are a short summary table; ``--json PATH`` writes every result.
+Every figure is the median of the timed steps (iterations for allreduce) after the warm-up, the
+slowest rank's. The last lines printed are a short summary table; ``--json PATH`` writes every
+result. BENCHMARKS.md, "Training step" and "Gradient all_reduce".
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import argparse
 import faulthandler
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -77,22 +80,37 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _max_over_ranks(value: float, device: torch.device) -> float:
+def max_over_ranks(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     return distlib.all_reduce(t, op="max").item()
 
 
-def _timed(fn: Callable[[], None], iters: int, warmup: int, device: torch.device) -> float:
-    """Seconds per call of ``fn``, the slowest rank's (every rank must call it)."""
+def step_times(fn: Callable[[], None], steps: int, warmup: int, device: torch.device) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``fn``, after ``warmup`` untimed ones (every rank must
+    call it). On a GPU from CUDA events recorded between the calls, so the timed window has no host
+    synchronisation in it; on the CPU from the wall clock."""
     for _ in range(warmup):
         fn()
     _sync(device)
     distlib.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
+    if device.type == "cuda":
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        events[0].record()
+        for event in events[1:]:
+            fn()
+            event.record()
+        torch.cuda.synchronize(device)
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])]
+    stamps = [time.perf_counter()]
+    for _ in range(steps):
         fn()
-    _sync(device)
-    return _max_over_ranks((time.perf_counter() - t0) / iters, device)
+        stamps.append(time.perf_counter())
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def _timed(fn: Callable[[], None], iters: int, warmup: int, device: torch.device) -> float:
+    """Median seconds per call of ``fn``, the slowest rank's (every rank must call it)."""
+    return max_over_ranks(statistics.median(step_times(fn, iters, warmup, device)), device)
 
 
 def _busbw(nbytes: int, seconds: float, world: int) -> float:
@@ -105,14 +123,14 @@ def bucket_bounds(numel: int, element_size: int, bucket_mb: float, first_bucket_
     return buckets.bounds(numel, element_size, int(bucket_mb * _MB), int(first_bucket_mb * _MB))
 
 
-def _watchdog(seconds: float) -> None:
+def watchdog(seconds: float) -> None:
     """Dump every thread's stack and exit if the next phase hangs (a hang must say where)."""
     faulthandler.cancel_dump_traceback_later()
     if seconds > 0:
         faulthandler.dump_traceback_later(seconds, exit=True)
 
 
-def _free(device: torch.device) -> None:
+def free(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
@@ -129,7 +147,7 @@ def bench_allreduce(args: argparse.Namespace, ctx) -> dict:
     groups = {n: comm_groups(n) for n in sorted({1, *args.groups})}
     rows = []
     for mb in args.sizes_mb:
-        _watchdog(args.hang_timeout_s)
+        watchdog(args.hang_timeout_s)
         numel = max(1, int(mb * _MB) // 4)
         buf = torch.randn(numel, device=device)
         iters = args.iters if mb < 64 else max(5, args.iters // 4)
@@ -151,12 +169,12 @@ def bench_allreduce(args: argparse.Namespace, ctx) -> dict:
             row["alt_bucketed_busbw"] = _busbw(nbytes, buck, world)
             row["alt_ratio"] = raw / buck
         rows.append(row)
-    _free(device)
+    free(device)
     model_sync = []
     for n in args.groups:
         model_sync.append(_bench_model_sync(args, ctx, n))
-        _free(device)  # the last model's buffers are gone before the next one is built
-    _watchdog(0)
+        free(device)  # the last model's buffers are gone before the next one is built
+    watchdog(0)
     return {
         "rows": rows,
         "model_sync": model_sync,
@@ -194,7 +212,7 @@ class _Synthetic(nn.Module):
 def _bench_model_sync(args: argparse.Namespace, ctx, groups: int) -> dict:
     """GradSync's sync time (``comm_groups=groups``) for a synthetic model with every gradient
     ready at once (no backward to overlap with), against one raw all_reduce of the same bytes."""
-    _watchdog(args.hang_timeout_s)
+    watchdog(args.hang_timeout_s)
     device, world = ctx.device, ctx.world_size
     model = _Synthetic(int(args.model_params)).to(device)
     sync = GradSync(
@@ -449,7 +467,7 @@ def bench_step(args: argparse.Namespace, ctx) -> list[StepResult]:
     # GradSync's modes once per --comm-groups value (n > 1 named mode:g<n>), the others once
     runs = [(m, n) for m in args.modes for n in (args.comm_groups if m.startswith("distlib") else [1])]
     for mode, groups in runs:
-        _watchdog(args.hang_timeout_s)
+        watchdog(args.hang_timeout_s)
         distlib.barrier()
         try:
             if mode == "fallback":
@@ -467,11 +485,11 @@ def bench_step(args: argparse.Namespace, ctx) -> list[StepResult]:
                 res = _run_mode(mode, args, ctx, groups)
         except BenchUnavailable as e:
             res = StepResult(f"{mode}:g{groups}" if groups > 1 else mode, note=str(e))
-        _free(ctx.device)
+        free(ctx.device)
         results.append(res)
         if ctx.is_main and not args.quiet:
             print(f"  {_step_row(res, None)}", file=sys.stderr, flush=True)
-    _watchdog(0)
+    watchdog(0)
     return results
 
 

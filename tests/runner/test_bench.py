@@ -177,3 +177,110 @@ def test_compile_modes_on_two_gloo_ranks(tmp_path):
     for mode in ("distlib-compile", "ddp-compile-default"):
         assert not rows[mode]["note"] and rows[mode]["images_per_s"] > 0, rows[mode]
     assert len(rows["distlib-compile"]["extra"]["bucket_mb"]) > 1
+
+
+# ---- bench.gpt_step and the GPT baseline -------------------------------------------------------
+GPT_TINY = ["--device=cpu", "--sizes=2x64", "--vocab=256", "--seq-len=32", "--batch=2", "--steps=2", "--warmup=1"]
+
+
+def test_gpt_step_modes_on_two_gloo_ranks(tmp_path):
+    """Every mode that runs on the CPU reports tokens/s, consistent with its step time, and an MFU
+    against the given peak; the GPU-only mode and the library's slots say why they did not run."""
+    from bench.gpt_step import MODES
+    from distlib.runner.gpt import GPT, GPTConfig
+
+    out_json = tmp_path / "gpt.json"
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node=2",
+        "-m", "bench.gpt_step", *GPT_TINY, f"--modes={','.join(MODES)}", "--compile-backend=eager",
+        "--peak-tflops=0.001", "--hang-timeout-s=100", f"--json={out_json}",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    rows = {json.loads(line)["gpt_step"]["mode"]: json.loads(line)["gpt_step"] for line in lines if "gpt_step" in line}
+    assert list(rows) == list(MODES)
+    assert lines[-len(MODES) - 1].startswith("size") and lines[-1].split()[1] == "distlib-fsdp"  # the table last
+    params = GPT(GPTConfig(256, 32, 2, 1, 64)).num_params()
+    flops = GPT(GPTConfig(256, 32, 2, 1, 64)).flops_per_token(32)
+    for mode in ("single-compile", "ddp", "ddp-compile", "zero-redundancy", "fsdp2", "fsdp2-compile", "distlib",
+                 "distlib-compile"):  # fmt: skip
+        r = rows[mode]
+        assert not r["note"], (mode, r["note"])
+        assert r["params"] == params and r["tokens_per_gpu_step"] == 64
+        assert r["world"] == (1 if mode == "single-compile" else 2)
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(64 / (r["step_ms"] / 1e3))
+        assert r["tokens_per_s"] == pytest.approx(r["world"] * r["tokens_per_s_per_gpu"])
+        assert r["mfu"] == pytest.approx(flops * r["tokens_per_s_per_gpu"] / 1e9)
+        assert 0 < r["step_ms"] < 10_000 and r["peak_mem_gib"] is None  # no GPU memory on the CPU
+    assert rows["distlib-graph"]["note"] == "CUDA graphs need a GPU"
+    for slot in ("distlib-zero", "distlib-fsdp"):
+        assert rows[slot]["note"].startswith("not available")
+    saved = json.loads(out_json.read_text())
+    assert [r["mode"] for r in saved["results"]] == list(MODES) and saved["environment"]["world_size"] == 2
+
+
+def test_gpt_step_reports_oom_and_goes_on(monkeypatch):
+    """An out-of-memory error (also wrapped by a compiler) is the mode's result, "OOM"; the next mode runs."""
+    import types
+
+    from bench import gpt_step
+
+    built: list[tuple[str, int]] = []
+
+    def build(mode, cfg, args, ctx):
+        built.append((mode, cfg.n_layer))
+        if mode == "single-compile":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if mode == "ddp":
+            try:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+            except torch.cuda.OutOfMemoryError as e:
+                raise RuntimeError("backend compiler failed") from e
+        if mode == "fsdp2":
+            raise ValueError("a real bug")
+        return (lambda: None), (lambda: None)
+
+    monkeypatch.setattr(gpt_step, "_build", build)
+    args = gpt_step.parse_args([*GPT_TINY, "--modes=single-compile,ddp,fsdp2,distlib", "--sizes=2x64,1x64,4x64"])
+    ctx = types.SimpleNamespace(world_size=1, device=torch.device("cpu"), is_main=True)
+    results, complete = gpt_step.bench(args, ctx)
+    assert complete
+    assert [(r.mode, r.note) for r in results[:2]] == [("single-compile", "OOM"), ("ddp", "OOM")]
+    assert results[2].note == "ValueError: a real bug"
+    assert not results[3].note and results[3].tokens_per_s > 0
+    # a smaller model is tried again; a larger one than a mode ran out of memory with is not
+    assert ("single-compile", 1) in built and ("single-compile", 4) not in built and ("fsdp2", 4) in built
+    assert results[8].size == "4x64" and results[8].note.startswith("OOM (at a smaller size")
+
+
+def test_gpt_step_arguments(capsys):
+    from bench.gpt_step import parse_args, parse_size
+
+    assert parse_size("1.5B") == (48, 25, 1600) and parse_size("13B") == (40, 40, 5120)
+    assert parse_size("4x256") == (4, 4, 256)
+    args = parse_args([])
+    assert args.batch == 16 and args.seq_len == 1024 and args.vocab == 50304 and args.steps >= 20
+    for bad, word in ((["--modes", "turbo"], "unknown mode 'turbo'"), (["--sizes", "7T"], "unknown size '7T'")):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+        assert word in capsys.readouterr().err
+
+
+def test_gpt_baseline_trains_bytes_to_a_validation_loss(tmp_path):
+    """bench/baselines/gpt_ddp.py on a text file: the validation loss falls below a uniform guess over the bytes."""
+    import gzip
+
+    with open(os.path.join(ROOT, "README.md"), "rb") as f:
+        text = f.read() * 20
+    path = tmp_path / "text.txt.gz"
+    path.write_bytes(gzip.compress(text))
+    cmd = [sys.executable, "bench/baselines/gpt_ddp.py", f"--data={path}", "--vocab=256", "--block-size=32",
+           "--n-layer=1", "--n-head=2", "--n-embd=32", "--batch=8", "--steps=40", "--eval-every=20", "--lr=3e-3",
+           "--lr-warmup=5", "--no-compile"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = dict(kv.split("=") for kv in out.stdout.splitlines()[-1].split()[1:])
+    assert float(result["val_loss"]) < math.log(256) - 1.0 and float(result["train_s"]) > 0

@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# Run benchmark suites on one GPU machine, each next to its baselines, and print a short table last.
+#
+#   bash bench/run.sh SUITE...          (from the repository root; bash bench/run.sh --help)
+#
+# Suites (the figure of BENCHMARKS.md each one produces):
+#   step         ResNet18-CIFAR training step, every mode of bench/step.py, with the baselines
+#                bench/baselines/rn18_throughput.py on one GPU and with DDP      ("Training step")
+#   allreduce    all_reduce bus bandwidth, raw against GradSync's buckets on 1, 2 and 4 communicators,
+#                with bench/baselines/allreduce_bw.py                            ("Gradient all_reduce")
+#   fallback     one process driving every GPU, against nn.DataParallel, DDP and one GPU
+#                (bench/fallback_bench.py, which runs its baselines itself)       ("Fallback mode")
+#   gpt          GPT training step at each of GPT_SIZES (default "124M 355M 1.5B"), one command per size:
+#                bench/gpt_step.py's single-GPU, DDP and distlib modes, with bench/baselines/gpt_ddp.py
+#                on one GPU and with DDP                                         ("GPT training step")
+#   sharding     bench/gpt_step.py at each of SHARD_SIZES (default "1.5B 6.7B 10B 13B"): DDP,
+#                ZeroRedundancyOptimizer, FSDP2 (eager and compiled blocks) and distlib, unsharded and
+#                sharded; OOM where a mode cannot hold the model                 ("Sharded training")
+#   flagship     bench/flagship.sh on recipes/cifar.yaml (floor, cold, warm), with
+#                bench/baselines/ddp_cifar.py                                     ("Flagship timeline")
+#   cifar        bench/recipes.py: recipes/cifar.yaml and cifar_accuracy.yaml over three seeds, with
+#                bench/baselines/ddp_cifar.py                                     ("Time to accuracy")
+#   shakespeare  bench/recipes.py on recipes/gpt_shakespeare.yaml, with bench/baselines/gpt_ddp.py on
+#                the same text, model, batch and schedule                         ("GPT recipe")
+#
+# Env: OUT (logs and JSON, default .bench/out), NPROC (processes, default every GPU), CIFAR (default
+# .bench/cifar10-jpeg.tar.gz), TEXT (default data/shakespeare.txt.gz, where the recipe reads it),
+# LIMIT_S (per command, 540), GPT_ARGS (more arguments of bench/gpt_step.py, e.g. "--batch 8"),
+# GPT_BASELINE_ARGS (the shakespeare baseline's, default the recipe's), PYTHON (default python3).
+# Each command's log is $OUT/<name>.log; the table at the end gives each command's exit status and time.
+set -u
+if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
+    sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+    exit 0
+fi
+OUT=${OUT:-.bench/out}
+CIFAR=${CIFAR:-.bench/cifar10-jpeg.tar.gz}
+TEXT=${TEXT:-data/shakespeare.txt.gz}
+LIMIT_S=${LIMIT_S:-540}
+PY=${PYTHON:-python3}
+NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | grep -c GPU)}
+[ "$NPROC" -ge 1 ] 2>/dev/null || NPROC=1
+mkdir -p "$OUT"
+# measured without NVLink SHARP (multicast); Python's bytecode cached outside site-packages (docs/startup.md)
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
+unset PYTHONDONTWRITEBYTECODE
+TORCHRUN="$PY -m torch.distributed.run --standalone --nproc-per-node=$NPROC"
+STATUS="$OUT/status.txt"
+: >"$STATUS"
+
+run() {  # run NAME COMMAND...: under LIMIT_S, logged to $OUT/NAME.log, its status noted
+    local name=$1 t=$SECONDS rc
+    shift
+    echo "=== $name: $*"
+    timeout -k 10 "$LIMIT_S" "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    printf '%-26s rc=%-4s %5ss\n' "$name" "$rc" "$((SECONDS - t))" >>"$STATUS"
+}
+
+show() {  # show NAME [LINES]: the end of NAME's log, where each command prints its own table
+    [ -f "$OUT/$1.log" ] || return 0
+    echo "--- $1"
+    grep -v '^{"\|^\[rank\|^W[0-9]\|^\[distlib rank\|UserWarning\|^  warnings\.' "$OUT/$1.log" | tail -n "${2:-12}"
+}
+
+{
+    nvidia-smi -L 2>/dev/null
+    $PY -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "NCCL",
+      ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-")'
+    echo "commit $(cat .bench/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)"
+} | tee "$OUT/environment.txt"
+
+for suite in "$@"; do
+    case $suite in
+    step)
+        run step $TORCHRUN -m bench.step step --json "$OUT/step.json"
+        run step_baseline_single env MODE=single BATCH=512 $PY bench/baselines/rn18_throughput.py
+        run step_baseline_ddp env MODE=ddp BATCH=512 $TORCHRUN bench/baselines/rn18_throughput.py
+        ;;
+    allreduce)
+        run allreduce $TORCHRUN -m bench.step allreduce --groups 1,2,4 --json "$OUT/allreduce.json"
+        run allreduce_baseline $TORCHRUN bench/baselines/allreduce_bw.py
+        ;;
+    fallback)
+        run fallback $PY bench/fallback_bench.py --anchor bench/baselines --json "$OUT/fallback.json"
+        ;;
+    gpt)
+        for size in ${GPT_SIZES:-124M 355M 1.5B}; do
+            run "gpt_$size" $TORCHRUN -m bench.gpt_step --sizes "$size" \
+                --modes single-compile,ddp-compile,distlib,distlib-compile,distlib-graph \
+                --json "$OUT/gpt_$size.json" ${GPT_ARGS:-}
+            case $size in  # the same model in the hand-written baseline: layers, heads, width
+            124M) shape="--n-layer 12 --n-head 12 --n-embd 768" ;;
+            355M) shape="--n-layer 24 --n-head 16 --n-embd 1024" ;;
+            1.5B) shape="--n-layer 48 --n-head 25 --n-embd 1600" ;;
+            *) continue ;;
+            esac
+            run "gpt_${size}_baseline_single" $PY bench/baselines/gpt_ddp.py $shape
+            run "gpt_${size}_baseline_ddp" $TORCHRUN bench/baselines/gpt_ddp.py $shape
+        done
+        ;;
+    sharding)
+        for size in ${SHARD_SIZES:-1.5B 6.7B 10B 13B}; do
+            run "sharding_$size" $TORCHRUN -m bench.gpt_step --sizes "$size" \
+                --modes ddp,zero-redundancy,fsdp2,fsdp2-compile,distlib,distlib-graph,distlib-zero,distlib-fsdp \
+                --json "$OUT/sharding_$size.json" ${GPT_ARGS:-}
+        done
+        ;;
+    flagship)
+        run flagship env NPROC="$NPROC" PYTHON="$PY" BUDGET_S=$((LIMIT_S - 60)) COLD_AGAIN=1 \
+            bash bench/flagship.sh "$CIFAR" "$OUT/flagship"
+        run flagship_baseline env TAR="$(realpath "$CIFAR")" EPOCHS=18 BATCH=256 $TORCHRUN bench/baselines/ddp_cifar.py
+        ;;
+    cifar)
+        run cifar $PY bench/recipes.py --nproc "$NPROC" --data "$CIFAR" --out /tmp/distlib-recipes \
+            --run "fast:recipes/cifar.yaml" --run "accuracy:recipes/cifar_accuracy.yaml" --seeds 0 1 2 \
+            --json "$OUT/cifar.json"
+        run cifar_baseline env TAR="$(realpath "$CIFAR")" EPOCHS=18 BATCH=256 $TORCHRUN bench/baselines/ddp_cifar.py
+        ;;
+    shakespeare)
+        # recipes/gpt_shakespeare.yaml's model, batch (64 sequences of 512 bytes in all) and schedule (10 epochs
+        # of ~9,400 windows: 1,460 steps, 5% warm-up, cosine to a tenth), the batch per GPU here
+        SHAKESPEARE_RECIPE="--vocab 256 --block-size 512 --n-layer 8 --n-head 8 --n-embd 512 --dropout 0.1 \
+            --batch $((64 / NPROC)) --steps 1460 --lr 1e-3 --lr-warmup 73 --eval-every 292"
+        run shakespeare $PY bench/recipes.py --nproc "$NPROC" --data "$TEXT" --out /tmp/distlib-recipes \
+            --run "gpt:recipes/gpt_shakespeare.yaml" --json "$OUT/shakespeare.json"
+        # shellcheck disable=SC2086  # the arguments are words
+        run shakespeare_baseline $TORCHRUN bench/baselines/gpt_ddp.py --data "$TEXT" \
+            ${GPT_BASELINE_ARGS:-$SHAKESPEARE_RECIPE}
+        ;;
+    *)
+        echo "unknown suite $suite (bash bench/run.sh --help)" | tee -a "$STATUS"
+        ;;
+    esac
+done
+
+# each command's own table, then the status of every command
+for name in step allreduce fallback cifar shakespeare; do show $name 30; done
+for log in "$OUT"/gpt_*.log "$OUT"/sharding_*.log; do
+    case $log in *baseline*) ;; *) [ -f "$log" ] && show "$(basename "$log" .log)" 14 ;; esac
+done
+for log in "$OUT"/*baseline*.log; do [ -f "$log" ] && show "$(basename "$log" .log)" 2; done
+show flagship 20
+echo "=== commands"
+cat "$STATUS"
