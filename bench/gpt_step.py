@@ -57,7 +57,8 @@ from distlib.runner.gpt import GPT, GPTConfig  # noqa: E402
 
 MODES = (
     "single-compile", "ddp", "ddp-compile", "zero-redundancy", "fsdp2", "fsdp2-compile",
-    "distlib", "distlib-compile", "distlib-graph", "distlib-zero", "distlib-fsdp",
+    "distlib", "distlib-compile", "distlib-graph", "distlib-zero", "distlib-zero-compile", "distlib-zero-graph",
+    "distlib-fsdp",
 )  # fmt: skip
 SINGLE = ("single-compile",)  # every rank alone: no collective in the step
 # name -> (n_layer, n_head, n_embd); any other size is written LAYERSxWIDTH (heads of 64)
@@ -159,9 +160,8 @@ class Agreement:
 
 
 # ---- building a mode ------------------------------------------------------------------------
-def _optimizer(
-    model: nn.Module, args, device: torch.device, zero: bool = False, capturable: bool = False
-) -> torch.optim.Optimizer:
+def _optimizer_args(model: nn.Module, args, device: torch.device, capturable: bool = False) -> tuple[list, dict]:
+    """AdamW's parameter groups (no weight decay on 1-D parameters) and settings, the same in every mode."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
@@ -170,6 +170,13 @@ def _optimizer(
     kw = {"lr": args.lr, "betas": (0.9, 0.95), "fused": device.type == "cuda"}
     if capturable:  # torch's check before a CUDA-graph capture asks Adam(W) for it, fused or not
         kw["capturable"] = True
+    return groups, kw
+
+
+def _optimizer(
+    model: nn.Module, args, device: torch.device, zero: bool = False, capturable: bool = False
+) -> torch.optim.Optimizer:
+    groups, kw = _optimizer_args(model, args, device, capturable)
     if zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -205,22 +212,29 @@ def _fsdp2(model_fn: Callable[[], GPT], device: torch.device, compile_blocks: bo
 def _build(mode: str, cfg: GPTConfig, args, ctx) -> tuple[Callable[[], None], Callable[[], None]]:
     """(step, close) of one mode; every rank must call it (DDP, GradSync and FSDP2 broadcast or shard)."""
     device, world, backend = ctx.device, ctx.world_size, args.compile_backend
-    if mode == "distlib-zero":  # distlib's optimizer sharding: wired when the library has it
-        raise BenchUnavailable("not available: distlib's optimizer sharding is not in the library yet")
-    if mode == "distlib-fsdp":  # distlib's full sharding: wired when the library has it
-        raise BenchUnavailable("not available: distlib's full sharding is not in the library yet")
     if mode.startswith(("ddp", "zero", "fsdp", "distlib")) and world < 2:
         raise BenchUnavailable("needs >= 2 ranks (torchrun --nproc-per-node=N)")
-    if mode == "distlib-graph" and device.type != "cuda":
+    graph = mode.endswith("-graph")  # the whole step as one CUDA graph (CapturedStep)
+    if graph and device.type != "cuda":
         raise BenchUnavailable("CUDA graphs need a GPU")
     torch.manual_seed(0)
     x = torch.randint(cfg.vocab_size, (args.batch, cfg.block_size), device=device)
     y = torch.roll(x, -1, dims=1)
-    bf16 = device.type == "cuda" and not mode.startswith("fsdp2")  # FSDP2: its mixed-precision policy
+    # FSDP2 (stock and distlib's): bf16 through its mixed-precision policy, not autocast
+    bf16 = device.type == "cuda" and not mode.startswith(("fsdp2", "distlib-fsdp"))
     sync, closers = None, []
+    opt = None
     if mode.startswith("fsdp2"):
         model = _fsdp2(lambda: GPT(cfg), device, mode == "fsdp2-compile", backend)
         net = model
+    elif mode == "distlib-fsdp":
+        import distlib
+
+        half = torch.bfloat16 if device.type == "cuda" else None
+        model = distlib.shard_model(lambda: GPT(cfg), param_dtype=half, reduce_dtype=half and torch.float32,
+                                    device=device)  # fmt: skip
+        net = model
+        sync = distlib.FSDPSync(model)
     else:
         with torch.device(device):
             model = GPT(cfg)
@@ -234,15 +248,21 @@ def _build(mode: str, cfg: GPTConfig, args, ctx) -> tuple[Callable[[], None], Ca
             from distlib.compile import compile_for_sync
             from distlib.grad_sync import GradSync
 
+            zero = mode.startswith("distlib-zero")
             sync = GradSync(
-                model, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb, comm_groups=args.comm_groups
-            )
+                model, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb, comm_groups=args.comm_groups,
+                shard="optimizer" if zero else "none",
+            )  # fmt: skip
             closers.append(sync.close)
-            if mode != "distlib":
+            if mode not in ("distlib", "distlib-zero"):
                 net = compile_for_sync(model, sync, backend=backend)
+            if zero:  # the same groups and settings as every other mode, stepped on this rank's slice
+                groups, kw = _optimizer_args(model, args, device, capturable=graph)
+                opt = sync.sharded_optimizer(torch.optim.AdamW, groups, **kw)
         elif mode == "single-compile":
             net = torch.compile(model, backend=backend)
-    opt = _optimizer(model, args, device, zero=mode == "zero-redundancy", capturable=mode == "distlib-graph")
+    if opt is None:
+        opt = _optimizer(model, args, device, zero=mode == "zero-redundancy", capturable=graph)
     params = [p for p in model.parameters() if p.requires_grad]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
@@ -252,9 +272,12 @@ def _build(mode: str, cfg: GPTConfig, args, ctx) -> tuple[Callable[[], None], Ca
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
 
     def clip() -> None:
-        torch.nn.utils.clip_grad_norm_(params, args.clip)
+        if sync is not None:  # the global norm, whether each rank holds all gradients or a shard
+            sync.clip_grad_norm_(args.clip)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, args.clip)
 
-    if mode == "distlib-graph":
+    if graph:
         from distlib.cuda_graph import CapturedStep
 
         captured = CapturedStep(model, opt, loss_fn, sync, warmup_steps=3, before_step=clip)

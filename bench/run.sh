@@ -103,7 +103,7 @@ for suite in "$@"; do
     sharding)
         for size in ${SHARD_SIZES:-1.5B 6.7B 10B 13B}; do
             run "sharding_$size" $TORCHRUN -m bench.gpt_step --sizes "$size" \
-                --modes ddp,zero-redundancy,fsdp2,fsdp2-compile,distlib,distlib-graph,distlib-zero,distlib-fsdp \
+                --modes ddp,zero-redundancy,fsdp2,fsdp2-compile,distlib,distlib-compile,distlib-zero,distlib-zero-compile,distlib-zero-graph,distlib-fsdp \
                 --json "$OUT/sharding_$size.json" ${GPT_ARGS:-}
         done
         ;;
