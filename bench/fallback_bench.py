@@ -261,7 +261,7 @@ def main(argv: list[str]) -> int:
         ("fallback + CUDA graph, 1 GPU", [0], True),
     ]:
         t = time.perf_counter()
-        try:  # one failure must not cost the rest of the device call
+        try:  # one failure must not cost the rest of the run
             ips = benchmark_step(args.batch, args.steps, 10, devices=devices, cuda_graph=graph, model_fn=model_fn)
         except Exception:
             print(f"  {name} FAILED:\n{traceback.format_exc()[-3000:]}", flush=True)
