@@ -24,13 +24,13 @@ from distlib import collectives
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=float, default=40.0, help="fp32 parameter megabytes")
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--width", type=int, default=1024, help="features of each square Linear layer")
+    p.add_argument("--repeats", type=int, default=5, help="saves of each kind (the median is reported)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (this rank's GPU)")
     p.add_argument("--fsdp", action="store_true", help="fully_shard every layer (needs a process group)")
-    p.add_argument("--dir", default=None)
+    p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
     args = p.parse_args()
     ctx = distlib.init()
     device = torch.device(args.device if args.device == "cpu" else ctx.device)

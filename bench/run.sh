@@ -16,6 +16,9 @@
 #   sharding     bench/gpt_step.py at each of SHARD_SIZES (default "1.5B 6.7B 10B 13B"): DDP,
 #                ZeroRedundancyOptimizer, FSDP2 (eager and compiled blocks) and distlib, unsharded and
 #                sharded; OOM where a mode cannot hold the model                 ("Sharded training")
+#   checkpoint   how long a sharded checkpoint's save blocks training, synchronous against asynchronous:
+#                bench/checkpoint_stall.py on one GPU (4 GB of parameters + AdamW) and FSDP2 over
+#                every GPU                                                         ("Sharded checkpoints")
 #   flagship     bench/flagship.sh on recipes/cifar.yaml (floor, cold, warm), with
 #                bench/baselines/ddp_cifar.py                                     ("Flagship timeline")
 #   cifar        bench/recipes.py: recipes/cifar.yaml and cifar_accuracy.yaml over three seeds, with
@@ -107,6 +110,10 @@ for suite in "$@"; do
                 --json "$OUT/sharding_$size.json" ${GPT_ARGS:-}
         done
         ;;
+    checkpoint)
+        run checkpoint_single $PY -m bench.checkpoint_stall --device cuda --mb 4000
+        run checkpoint_fsdp $TORCHRUN -m bench.checkpoint_stall --device cuda --fsdp --mb 4000
+        ;;
     flagship)
         run flagship env NPROC="$NPROC" PYTHON="$PY" BUDGET_S=$((LIMIT_S - 60)) COLD_AGAIN=1 \
             bash bench/flagship.sh "$CIFAR" "$OUT/flagship"
@@ -136,7 +143,7 @@ for suite in "$@"; do
 done
 
 # each command's own table, then the status of every command
-for name in step allreduce fallback cifar shakespeare; do show $name 30; done
+for name in step allreduce fallback cifar shakespeare checkpoint_single checkpoint_fsdp; do show $name 30; done
 for log in "$OUT"/gpt_*.log "$OUT"/sharding_*.log; do
     case $log in *baseline*) ;; *) [ -f "$log" ] && show "$(basename "$log" .log)" 14 ;; esac
 done
