@@ -31,7 +31,7 @@ from distlib.compile import compile_for_sync
 from distlib.cuda_graph import CapturedStep, CaptureUnsupported
 from distlib.ema import EMA
 from distlib.errors import DistlibError
-from distlib.grad_sync import GradSync, GradSyncError
+from distlib.grad_sync import GradSync, GradSyncError, GradSyncTimeout
 from distlib.log import get_logger
 from distlib.model_check import ModelMismatchError
 from distlib.process_group import Context, EnvError, init, shutdown
@@ -70,6 +70,7 @@ __all__ = [
     "FSDPSync",
     "GradSync",
     "GradSyncError",
+    "GradSyncTimeout",
     "LoaderError",
     "ModelMismatchError",
     "Replicas",

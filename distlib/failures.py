@@ -64,7 +64,8 @@ def describe(exc: BaseException, *, rank: int, timeout_s: float) -> str | None:
     """A clear message when ``exc`` is a collective that timed out or lost a peer, else None."""
     if not isinstance(exc, RuntimeError):
         return None
-    text = str(exc).lower()
+    # a library error that wraps the collective's own (GradSync's timeout with its join() hint) counts as it
+    text = " ".join(str(x) for x in (exc, exc.__cause__) if x is not None).lower()
     op, caller = _collective_and_caller(exc)
     if not op and not any(m in text for m in ("gloo", "nccl", "c10d")):
         return None  # not a collective's failure

@@ -25,7 +25,8 @@ from distlib.flat_buffers import FlatBuffers
 from distlib.model_check import ModelMismatchError, check_same_model
 from distlib.state_broadcast import broadcast_module, broadcast_tensors
 
-__all__ = ["GradSync", "GradSyncError", "ModelMismatchError"]  # ModelMismatchError lives in distlib.model_check
+# ModelMismatchError lives in distlib.model_check
+__all__ = ["GradSync", "GradSyncError", "GradSyncTimeout", "ModelMismatchError"]
 
 _MB = 2**20
 _ABORT = 1 << 20  # join(): announced by a rank that stops (more than any number of active ranks)
@@ -37,9 +38,15 @@ class GradSyncError(DistlibError, RuntimeError):
     rank never reached (uneven inputs without ``join()``). A RuntimeError too, as these were before."""
 
 
-def _stalled(e: RuntimeError) -> GradSyncError:
+class GradSyncTimeout(GradSyncError):
+    """A gradient all_reduce timed out in ``wait()``: some rank did not run this step (uneven inputs
+    without ``join()``, or a rank that stopped or died). Its ``__cause__`` is the collective's own error;
+    ``distlib.failures.describe`` reports it as the collective timeout it is."""
+
+
+def _stalled(e: RuntimeError) -> GradSyncTimeout:
     """A bucket's all_reduce timed out in ``wait()``: some rank did not run this step."""
-    return GradSyncError(
+    return GradSyncTimeout(
         f"GradSync.wait(): a gradient all_reduce timed out ({str(e).strip().splitlines()[0]}): some rank did not "
         "run this step. With uneven inputs (a rank has fewer batches), wrap the training loop in "
         "`with sync.join():`, or give every rank the same number of steps (distributed_loader pads so that "

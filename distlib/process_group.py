@@ -142,15 +142,6 @@ def _explicit(init_method: str | None, rank: int | None, world_size: int | None)
                    launcher="init_method")  # fmt: skip
 
 
-def _export_single_process_env() -> None:
-    """World size 1: the variables torchrun sets, where absent, so that a script's own
-    ``int(os.environ["LOCAL_RANK"])`` works under ``python script.py`` as under torchrun."""
-    # A second init(), or a child process that inherits them, reads them as a world of one process
-    # (launchers.detect: WORLD_SIZE=1 without MASTER_ADDR/MASTER_PORT needs no rendezvous).
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
-
-
 def init(
     backend: str = "auto",
     timeout_s: float = 300.0,
@@ -164,8 +155,8 @@ def init(
 
     torchrun, srun, a Kubeflow PyTorchJob and mpirun are read (``distlib.launchers``);
     without any launcher's variables this is world size 1: no process group is
-    started and the collectives of distlib are no-ops, and RANK, LOCAL_RANK, WORLD_SIZE and
-    LOCAL_WORLD_SIZE are set in ``os.environ`` where absent (0, 0, 1, 1), as torchrun would. Under
+    started and the collectives of distlib are no-ops (``os.environ`` is not changed: read the
+    rank and world size from the returned ``Context``, not from torchrun's variables). Under
     a launcher other than torchrun, the MASTER_ADDR and MASTER_PORT it derived are exported to this
     process's environment, where torch's rendezvous reads them. ``gpus_per_process`` > 1
     (the cuda.comm fallback mode) skips the one-GPU-per-process check.
@@ -181,8 +172,9 @@ def init(
     info = explicit if explicit is not None else parse_env()
     name = resolve_backend(backend)
     if info is None:
+        # os.environ is left as it is: RANK and WORLD_SIZE there would tell a child process that
+        # tests `"RANK" in os.environ` (nanoGPT's and the tutorials' idiom) that torchrun started it
         info = EnvInfo(rank=0, local_rank=0, world_size=1, local_world_size=1)
-        _export_single_process_env()
     set_rank(info.rank)
     if name == "nccl":
         device = torch.device("cuda", _gpu_index(info, torch.cuda.device_count(), gpus_per_process, os.environ))

@@ -8,6 +8,7 @@ import sys
 
 from distlib.errors import DistlibError
 from distlib.failures import describe
+from distlib.grad_sync import GradSyncTimeout
 from distlib.process_group import context
 
 
@@ -17,7 +18,12 @@ def exit_code(e: BaseException, timeout_s: float) -> int | None:
     2: bad input (the config, environment, data or a checkpoint); 1: a collective timed out or
     lost a peer; 130: Ctrl-C before training started (stops inside it return their own codes).
     """
-    if isinstance(e, DistlibError):
+    if (
+        isinstance(e, GradSyncTimeout)
+        and (message := describe(e, rank=getattr(context(), "rank", 0), timeout_s=timeout_s)) is not None
+    ):
+        code = 1  # a collective that timed out: another rank stalled or died (the runner has no uneven inputs)
+    elif isinstance(e, DistlibError):
         message, code = str(e), 2
     elif isinstance(e, KeyboardInterrupt):  # a second Ctrl-C, or one before training started
         message, code = "interrupted", 130
