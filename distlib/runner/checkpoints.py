@@ -161,7 +161,11 @@ class ShardedRunCheckpoints(RunCheckpoints):
             return
         if found := collectives.broadcast_object(self.replicated.paths() if collectives.rank() == 0 else None):
             raise _other_format(found, self.directory, "replicated (dist.shard=none)", "a sharded dist.shard")
-        step = self.checkpointer.resume(self.objects)
+        try:
+            step = self.checkpointer.resume(self.objects)
+        except CheckpointError as e:  # the same on every rank
+            raise CheckpointError(f"{e}\n(or set run.resume=false to start over: this deletes them; or use another "
+                                  "run.out_dir)") from e  # fmt: skip
         if step is None:
             return
         state, path, log = self.objects["train_state"], self.checkpointer.paths()[0], get_logger()
