@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 from collections.abc import Mapping
 from typing import Any
@@ -22,7 +23,10 @@ from torch import nn
 from distlib import collectives
 from distlib.checkpoint import Checkpointer, CheckpointError, RankStateful, rng_state, set_rng_state
 from distlib.log import get_logger
-from distlib.sharded_checkpoint import ShardedCheckpointer
+
+# ShardedCheckpointer's directory names, committed and partial; the replicated path does not import it:
+# torch.distributed.checkpoint adds more than a second to the start-up
+_SHARDED = re.compile(r"^(\.partial-)?step\d{9}$")
 
 
 class RunCheckpoints:
@@ -54,12 +58,11 @@ class ReplicatedCheckpoints(RunCheckpoints):
                  is_main: bool):  # fmt: skip
         self.directory, self.objects, self.fingerprint = directory, objects, fingerprint
         self.checkpointer = Checkpointer(directory, keep=keep, is_main=is_main)
-        self.sharded = ShardedCheckpointer(directory)  # only to find (and, resume disabled, delete) its checkpoints
 
     def resume(self, *, enabled: bool, epochs: int) -> None:
         if not enabled:
-            _delete_sharded(self.sharded)
-        elif found := collectives.broadcast_object(self.sharded.paths() if collectives.rank() == 0 else None):
+            _delete_sharded(self.directory)
+        elif found := collectives.broadcast_object(_sharded_paths(self.directory) if collectives.rank() == 0 else None):
             raise _other_format(found, self.directory, "sharded (dist.shard=optimizer or full)", "dist.shard=none")
         self.checkpointer.resume(self.objects, fingerprint=self.fingerprint, enabled=enabled, epochs=epochs)
 
@@ -68,16 +71,20 @@ class ReplicatedCheckpoints(RunCheckpoints):
                                fingerprint=self.fingerprint)  # fmt: skip
 
 
-def _delete_sharded(sharded: ShardedCheckpointer) -> None:
-    """Every committed and partial sharded checkpoint (rank 0), then a barrier."""
+def _sharded_paths(directory: str) -> list[str]:
+    """The sharded checkpoints in ``directory``, committed or partial, in name order."""
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    return [os.path.join(directory, n) for n in names if _SHARDED.match(n)]
+
+
+def _delete_sharded(directory: str) -> None:
+    """Every committed and partial sharded checkpoint in ``directory`` (rank 0), then a barrier."""
     if collectives.rank() == 0:
-        d = sharded.directory
-        partial = [os.path.join(d, n) for n in (os.listdir(d) if os.path.isdir(d) else []) if n.startswith(".partial-")]
-        paths = sharded.paths() + partial
+        paths = _sharded_paths(directory)
         for p in paths:
             shutil.rmtree(p, ignore_errors=True)
         if paths:
-            get_logger().warning("resume disabled: deleted the old checkpoints in %s", sharded.directory)
+            get_logger().warning("resume disabled: deleted the old checkpoints in %s", directory)
     collectives.barrier()
 
 
@@ -146,6 +153,8 @@ class ShardedRunCheckpoints(RunCheckpoints):
     """``distlib.ShardedCheckpointer``: every rank writes its shards into ``step<global step>/``."""
 
     def __init__(self, directory: str, objects: Mapping[str, Any], settings: dict[str, Any], *, keep: int):
+        from distlib.sharded_checkpoint import ShardedCheckpointer
+
         self.directory = directory
         self.ranks = RankStates(objects)
         self.objects = {**objects, "rank_states": self.ranks}
@@ -154,7 +163,7 @@ class ShardedRunCheckpoints(RunCheckpoints):
 
     def resume(self, *, enabled: bool, epochs: int) -> None:
         if not enabled:
-            _delete_sharded(self.checkpointer)
+            _delete_sharded(self.directory)
             if self.replicated.clear():
                 get_logger().warning("resume disabled: deleted the old checkpoints in %s", self.directory)
             collectives.barrier()
