@@ -7,6 +7,7 @@ taken for another's; the combinations that cannot work are ConfigErrors naming t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -83,7 +84,8 @@ def test_the_gpt_recipes_say_their_shard_mode():
 def _losses(ctx, shard: str, out_dir: str, start: dict | None) -> tuple[list[float], dict, list[dict]]:
     """This rank's loss at every step of the tiny GPT demo with ``dist.shard=shard``, the initial
     weights (``start``: given ones, loaded into the model first) and the metrics rows."""
-    cfg = load_config(DEMO, [*TINY, f"dist.shard={shard}", f"run.out_dir={out_dir}"])
+    # a sample from the final model too: with full sharding every rank runs its forward passes
+    cfg = load_config(DEMO, [*TINY, f"dist.shard={shard}", f"run.out_dir={out_dir}", "train.sample_tokens=4"])
     losses = []
     with built(cfg, ctx) as trainer:
         if start is not None:
@@ -91,6 +93,9 @@ def _losses(ctx, shard: str, out_dir: str, start: dict | None) -> tuple[list[flo
         initial = _whole(trainer.model)
         trainer.step_fn = Recorded(trainer.step_fn, losses)
         assert trainer.fit() == 0
+    if ctx.is_main:
+        with open(os.path.join(out_dir, "summary.json")) as f:
+            assert len(json.load(f)["sample"]) > 32
     return losses, initial, metrics(out_dir) if ctx.is_main else []
 
 
@@ -251,13 +256,20 @@ def test_the_gpt_demo_trains_on_one_gpu_in_each_shard_mode(tmp_path, shard):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("shard", "overrides"),
-    [("none", []), ("optimizer", []), ("optimizer", ["train.cuda_graph=true"]), ("full", [])],
-    ids=["none", "optimizer", "optimizer-cuda_graph", "full"],
+    [
+        ("none", []),
+        ("optimizer", []),
+        ("optimizer", ["train.cuda_graph=true"]),
+        ("optimizer", ["train.compile=true"]),
+        ("full", []),
+    ],
+    ids=["none", "optimizer", "optimizer-cuda_graph", "optimizer-compiled", "full"],
 )
 def test_the_gpt_demo_trains_on_two_gpus_in_each_shard_mode(tmp_path, shard, overrides):
     """bf16 (autocast; FSDP2's bf16 weights with fp32 reduce-scatters for full sharding), fused
-    AdamW (capturable inside the captured sharded step); the loss falls alike in every mode, and a
-    run stopped after epoch 2 resumes at one GPU."""
+    AdamW (capturable inside the captured sharded step), compile_for_sync with the sharded
+    optimizer; the loss falls alike in every mode, and the last epoch, trained again at one GPU from
+    the checkpoint before it (2 -> 1), ends at the same validation loss within bf16's noise."""
     out = tmp_path / "gpt"
     args = [DEMO, f"run.out_dir={out}", "run.progress=plain", "train.precision=bf16", f"dist.shard={shard}",
             "run.checkpoint_every=1", *overrides]  # fmt: skip
