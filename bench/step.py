@@ -328,7 +328,13 @@ def _run_compiled_mode(mode: str, args, ctx, groups: int = 1) -> StepResult:
     sync = None
     extra: dict = {}
     if mode.startswith("distlib"):
-        sync = GradSync(model, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb, comm_groups=groups)
+        sync = GradSync(
+            model,
+            bucket_mb=args.bucket_mb,
+            first_bucket_mb=args.first_bucket_mb,
+            comm_groups=groups,
+            broadcast_buffers=args.broadcast_buffers,
+        )
         net = compile_for_sync(model, sync, backend=args.compile_backend)
     elif mode.startswith("single"):
         net = torch.compile(model, backend=args.compile_backend)
@@ -384,7 +390,13 @@ def _run_mode(mode: str, args, ctx, groups: int = 1) -> StepResult:
         if mode == "ddp-compile":  # the strongest stock baseline: compiled, with CUDA graphs
             net = torch.compile(net, mode="reduce-overhead")
     elif mode.startswith("distlib"):
-        sync = GradSync(model, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb, comm_groups=groups)
+        sync = GradSync(
+            model,
+            bucket_mb=args.bucket_mb,
+            first_bucket_mb=args.first_bucket_mb,
+            comm_groups=groups,
+            broadcast_buffers=args.broadcast_buffers,
+        )
     loss_fn = _loss_fn(net, device, bf16)
     captured = None
     if graph:
@@ -572,6 +584,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     st.add_argument("--batch", type=int, default=512, help="images per GPU (default 512)")
     st.add_argument("--image-size", type=int, default=32)
     st.add_argument("--steps", type=int, default=50, help="timed steps per mode")
+    st.add_argument(
+        "--broadcast-buffers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="GradSync modes: rank 0's buffers broadcast before each forward, as DDP's default (the default); "
+        "--no-broadcast-buffers measures without it",
+    )
     st.add_argument("--warmup", type=int, default=10, help="untimed steps first (graph modes capture in them)")
     st.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="autocast dtype on GPUs")
     st.add_argument("--no-channels-last", dest="channels_last", action="store_false")

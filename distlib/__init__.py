@@ -31,12 +31,12 @@ from distlib.compile import compile_for_sync
 from distlib.cuda_graph import CapturedStep, CaptureUnsupported
 from distlib.ema import EMA
 from distlib.errors import DistlibError
-from distlib.grad_sync import GradSync
+from distlib.grad_sync import GradSync, GradSyncError
 from distlib.log import get_logger
 from distlib.model_check import ModelMismatchError
 from distlib.process_group import Context, EnvError, init, shutdown
 from distlib.sampler import EpochLoader as EpochLoader  # returned by distributed_loader; kept importable
-from distlib.sampler import ExactDistributedSampler, distributed_loader
+from distlib.sampler import ExactDistributedSampler, LoaderError, distributed_loader
 from distlib.sharded_optimizer import ShardedOptimizer, ShardingError
 from distlib.stop import StopSignal
 from distlib.watchdog import Watchdog
@@ -69,6 +69,8 @@ __all__ = [
     "ExactDistributedSampler",
     "FSDPSync",
     "GradSync",
+    "GradSyncError",
+    "LoaderError",
     "ModelMismatchError",
     "Replicas",
     "ShardedCheckpointer",

@@ -10,6 +10,7 @@ so a bucket's all_reduce starts as soon as the piece holding its last gradient h
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -113,6 +114,10 @@ def compile_for_sync(
     if sync.model is not model:
         raise ValueError("sync was built for another model: build GradSync(model) for the model compiled here")
     compile_fn = _backend_fn(backend, mode, options, dynamic)
+    if backend == "inductor":
+        # torch.compile(model) imports inductor's compile_fx here, when it is called; behind a backend
+        # function the import (seconds: inductor, its autotuning, triton) would land in the first step
+        importlib.import_module("torch._inductor.compile_fx")
     if not sync.buckets:  # nothing to overlap
         return torch.compile(model, backend=backend, mode=mode, options=options, dynamic=dynamic, fullgraph=fullgraph)
     # GradSync re-lays its buckets once, after the first step, in the order the gradients arrived;

@@ -20,14 +20,31 @@ from torch import nn
 
 from distlib import collectives, sharded_optimizer
 from distlib.buckets import group_tensors
+from distlib.errors import DistlibError
 from distlib.flat_buffers import FlatBuffers
 from distlib.model_check import ModelMismatchError, check_same_model
-from distlib.state_broadcast import broadcast_module
+from distlib.state_broadcast import broadcast_module, broadcast_tensors
 
-__all__ = ["GradSync", "ModelMismatchError"]  # ModelMismatchError lives in distlib.model_check
+__all__ = ["GradSync", "GradSyncError", "ModelMismatchError"]  # ModelMismatchError lives in distlib.model_check
 
 _MB = 2**20
 _ABORT = 1 << 20  # join(): announced by a rank that stops (more than any number of active ranks)
+
+
+class GradSyncError(DistlibError, RuntimeError):
+    """GradSync used against its contract: a gradient produced twice before ``wait()`` (a forgotten
+    ``no_sync``), ``requires_grad`` changed differently on the ranks, ``join()`` misused, a step some
+    rank never reached (uneven inputs without ``join()``). A RuntimeError too, as these were before."""
+
+
+def _stalled(e: RuntimeError) -> GradSyncError:
+    """A bucket's all_reduce timed out in ``wait()``: some rank did not run this step."""
+    return GradSyncError(
+        f"GradSync.wait(): a gradient all_reduce timed out ({str(e).strip().splitlines()[0]}): some rank did not "
+        "run this step. With uneven inputs (a rank has fewer batches), wrap the training loop in "
+        "`with sync.join():`, or give every rank the same number of steps (distributed_loader pads so that "
+        "they are equal); otherwise a rank stopped or is slower than the timeout (distlib.init(timeout_s=...))"
+    )
 
 
 def _capturing() -> bool:
@@ -86,6 +103,13 @@ class GradSync:
     process and shared by every GradSync) so that consecutive buckets' all_reduces overlap. At
     world size 1 nothing is done (and no group is created).
 
+    Buffers (BatchNorm's running statistics) as DDP's default ``broadcast_buffers=True``: a forward
+    pre-hook broadcasts rank 0's buffers before each forward that follows a synced forward (grad
+    enabled, outside ``no_sync``), in one broadcast per device; ``broadcast_buffers=False`` leaves
+    each rank its own (then ``sync_buffers()`` averages them, e.g. before evaluating).
+    ``require_backward_grad_sync`` is DDP's attribute: set to False, backward passes accumulate
+    locally as inside ``no_sync()``.
+
     As DDP with ``find_unused_parameters=True``: a parameter no rank used in a step keeps its
     ``.grad`` (None after ``opt.zero_grad()``), without an extra collective. ``requires_grad``
     changed after construction is followed at the next ``wait()``. ``with sync.join():`` around
@@ -107,6 +131,7 @@ class GradSync:
         broadcast: bool = True,
         comm_groups: int = 1,
         shard: Literal["none", "optimizer"] = "none",
+        broadcast_buffers: bool = True,
     ):
         if bucket_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError(f"bucket sizes must be > 0, got bucket_mb={bucket_mb}, first_bucket_mb={first_bucket_mb}")
@@ -148,6 +173,11 @@ class GradSync:
             # buckets keep their first layout (reverse registration order): a rebuild after a
             # reduce_scatter would move gradients that only another rank has averaged
             self._rebuilt, self._arrival = True, None
+        self.broadcast_buffers = broadcast_buffers
+        # DDP's require_forward_param_sync: the last forward was a synced one (grad enabled, outside
+        # no_sync), so the next forward broadcasts rank 0's buffers first. True: the first forward does.
+        self._forward_sync = True
+        self._forward_hook = None
         if self.world_size == 1:
             if shard == "optimizer" and self.params:
                 self._layout([len(self.params) - 1 - i for i in range(len(self.params))])
@@ -169,6 +199,9 @@ class GradSync:
             self._layout([len(self.params) - 1 - i for i in range(len(self.params))])
         for slot in self._slots:
             self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._hook_for(slot.index)))
+        if broadcast_buffers:
+            # run eagerly under torch.compile (compile_for_sync): a collective and Python state, not graph code
+            self._forward_hook = model.register_forward_pre_hook(torch.compiler.disable(self._pre_forward))
 
     # ---- construction ----------------------------------------------------------------
     def _preflight(self) -> None:
@@ -226,6 +259,30 @@ class GradSync:
 
         return hook
 
+    # ---- buffers (DDP's broadcast_buffers) ------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: object) -> None:
+        """Before each forward of the model, as DDP's ``_pre_forward``: rank 0's buffers to every rank
+        when the previous forward was a synced one (and before the first), in one broadcast per
+        device. Then remember whether this forward is synced (grad enabled, outside ``no_sync``)."""
+        if self._forward_sync and not self._joining:
+            buffers = list(module.buffers())  # read each time: a module may reassign its buffers
+            if buffers:
+                # in place, as DDP does it: the version counters stay, so a graph that saved a buffer
+                # (a no_sync micro-step's) is not reported as modified
+                with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+                    broadcast_tensors(buffers, 0)
+        self._forward_sync = torch.is_grad_enabled() and not self._skip
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's attribute: False makes the next backward passes accumulate locally, as inside
+        ``no_sync()``; set it back to True for the synced backward (then ``wait()``)."""
+        return not self._skip
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._skip = not value
+
     # ---- per step --------------------------------------------------------------------
     def _on_ready(self, slot: _Slot) -> None:
         """A parameter's gradient is complete for this backward (called from autograd)."""
@@ -235,7 +292,7 @@ class GradSync:
         if self._skip:
             return
         if slot.ready_step == self._step:
-            raise RuntimeError(
+            raise GradSyncError(
                 f"GradSync: gradient of {self._names.get(id(slot.param), '?')!r} produced twice before "
                 "sync.wait(); call wait() after every synced backward and use `with sync.no_sync():` "
                 "for accumulation steps"
@@ -315,7 +372,12 @@ class GradSync:
             self._next_bucket += 1
         for b in self.buckets:  # every group's work (on NCCL the current stream waits for each)
             if b.work is not None:
-                b.work.wait()
+                try:
+                    b.work.wait()
+                except RuntimeError as e:  # gloo: the collective timed out, or a peer is gone
+                    if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                        raise _stalled(e) from e
+                    raise  # a peer failed: its own error says why
                 b.work = None
             if b.comp is not None:
                 b.flat.copy_(b.comp)
@@ -340,7 +402,7 @@ class GradSync:
         if frozen or thawed:
             if self._joining:
                 self._announce(_ABORT, wait=True)  # the ranks shadowing in join() raise too
-                raise RuntimeError(
+                raise GradSyncError(
                     "GradSync: requires_grad changed inside sync.join() "
                     f"({', '.join(self._name(p) for p in frozen + thawed)}); change it outside join()"
                 )
@@ -372,7 +434,7 @@ class GradSync:
                 s.param.grad = s.view  # the others' sum / world size
             if not s.param.requires_grad:
                 if used_elsewhere:
-                    raise RuntimeError(
+                    raise GradSyncError(
                         f"GradSync: parameter {self._name(s.param)} no longer requires grad on this rank but "
                         "another rank still trains it; every rank must freeze the same parameters before the same step"
                     )
@@ -409,7 +471,7 @@ class GradSync:
                 only0, onlyr = sorted(set(lists[0]) - set(other)), sorted(set(other) - set(lists[0]))
                 if only0 or onlyr:
                     lines.append(f"rank {r}: trainable only on rank 0: {only0}; only on rank {r}: {onlyr}")
-            raise RuntimeError(
+            raise GradSyncError(
                 "GradSync: requires_grad changed differently on different ranks:\n  " + "\n  ".join(lines)
             )
         old = {id(s.param): s for s in self._slots}
@@ -484,9 +546,10 @@ class GradSync:
         involved). Gradients stay divided by the initial world size, so every sample weighs the
         same, as with DDP under ``torch.distributed.algorithms.Join`` (``divide_by_initial_world_size``).
         When all have left, every rank takes the parameters of the last rank to leave (the
-        highest such rank), as DDP does; buffers stay each rank's own (GradSync never broadcasts
-        them during training, like DDP with ``broadcast_buffers=False``): call ``sync_buffers()``
-        for averaged BatchNorm statistics. Other collectives inside the block (``sync_buffers``,
+        highest such rank), and with ``broadcast_buffers`` its buffers, as DDP does. Inside the
+        block the forwards do not broadcast buffers (a rank that left could not match that
+        broadcast): each rank keeps its own until the end, where DDP would broadcast the highest
+        active rank's at each forward. Other collectives inside the block (``sync_buffers``,
         SyncBatchNorm, metrics) are not shadowed, and requires_grad must not change inside it.
 
         A collective: every rank must enter and leave it. An exception inside the block is raised
@@ -496,21 +559,21 @@ class GradSync:
             yield
             return
         if self._joining:
-            raise RuntimeError("GradSync.join(): already inside join()")
+            raise GradSyncError("GradSync.join(): already inside join()")
         self._joining = True
         try:
             yield
         finally:
             self._joining = False
         if self._next_bucket != 0 or any(b.work is not None for b in self.buckets):
-            raise RuntimeError("GradSync.join(): a synced backward was not followed by sync.wait() before leaving")
+            raise GradSyncError("GradSync.join(): a synced backward was not followed by sync.wait() before leaving")
         last = True
         while True:
             active = self._announce(0, wait=True)
             if active == 0:
                 break
             if active >= _ABORT:
-                raise RuntimeError("GradSync.join(): another rank changed requires_grad inside join() and stopped")
+                raise GradSyncError("GradSync.join(): another rank changed requires_grad inside join() and stopped")
             last = False
             works = []
             for b in self.buckets:  # the active ranks' step: zeros for each bucket, in bucket order
@@ -532,22 +595,20 @@ class GradSync:
         if self._sharded_optimizer is not None:
             self._sharded_optimizer.finish_param_gather()  # the parameters are read below
         self._take_last_joiner(last)
+        # every rank broadcasts at its next forward, whatever its last forward in the block was (a rank
+        # may have had none): the same collectives on every rank
+        self._forward_sync = True
 
     @torch.no_grad()
     def _take_last_joiner(self, last: bool) -> None:
-        """Every rank takes the parameters of the highest rank among those that left join() last."""
+        """Every rank takes the parameters (and, with ``broadcast_buffers``, the buffers) of the highest
+        rank among those that left join() last, as DDP's Join does."""
         t = torch.full((1,), dist.get_rank() if last else -1, dtype=torch.int64, device=self._device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        src = int(t.item())
-        groups: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in self.model.parameters():
-            groups.setdefault(p.dtype, []).append(p.detach())
-        for group in groups.values():
-            flat = torch.cat([p.reshape(-1) for p in group])
-            dist.broadcast(flat, src=src)
-            if dist.get_rank() != src:
-                for p, part in zip(group, flat.split([p.numel() for p in group])):
-                    p.copy_(part.view(p.shape))
+        tensors = list(self.model.parameters())
+        if self.broadcast_buffers:
+            tensors += list(self.model.buffers())
+        broadcast_tensors(tensors, int(t.item()))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -619,3 +680,6 @@ class GradSync:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None

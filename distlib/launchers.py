@@ -39,6 +39,8 @@ def detect(env: Mapping[str, str]) -> EnvInfo | None:
 
     Raises EnvError naming what is missing, wrong, or contradictory, and how to launch instead.
     """
+    if _one_process(env):
+        return None
     if any(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
         if "LOCAL_RANK" not in env and all(k in env for k in PYTORCHJOB_REQUIRED):
             return _pytorchjob(env)
@@ -58,6 +60,18 @@ def detect(env: Mapping[str, str]) -> EnvInfo | None:
 
 
 # ---- torchrun and PyTorchJob ------------------------------------------------------------------
+
+
+def _one_process(env: Mapping[str, str]) -> bool:
+    """torchrun's variables for a world of one process and no rendezvous (what ``distlib.init()`` sets
+    at world size 1, which child processes inherit): complete as they are, nothing to connect to."""
+    single = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    return (
+        env.get("WORLD_SIZE") == "1"
+        and all(env.get(k, v) == v for k, v in single.items())
+        and "MASTER_ADDR" not in env
+        and "MASTER_PORT" not in env
+    )
 
 
 def _torchrun(env: Mapping[str, str]) -> EnvInfo:

@@ -14,6 +14,7 @@ import datetime
 import gc
 import importlib
 import os
+import re
 import sys
 import traceback
 import weakref
@@ -56,7 +57,7 @@ class EnvInfo:
     local_rank: int
     world_size: int
     local_world_size: int
-    launcher: str = "none"  # "torchrun", "pytorchjob", "srun", "mpirun", or "none" for a plain process
+    launcher: str = "none"  # "torchrun", "pytorchjob", "srun", "mpirun", "init_method" (given to init), "none"
     master_addr: str | None = None  # rank 0's host and port (the rendezvous), None at world size 1
     master_port: int | None = None
 
@@ -119,21 +120,69 @@ _timeout_s = 300.0  # init()'s collective timeout, also the bound of shutdown()'
 _atexit_registered = False
 
 
-def init(backend: str = "auto", timeout_s: float = 300.0, *, gpus_per_process: int = 1) -> Context:
+def _explicit(init_method: str | None, rank: int | None, world_size: int | None) -> EnvInfo | None:
+    """The rendezvous given as arguments (an ``mp.spawn`` script's ``--dist-url``), or None when none is."""
+    if init_method is None and rank is None and world_size is None:
+        return None
+    if init_method is None or rank is None or world_size is None:
+        given = [
+            n for n, v in (("init_method", init_method), ("rank", rank), ("world_size", world_size)) if v is not None
+        ]
+        raise EnvError(
+            f"init() got {', '.join(given)} but not all of init_method, rank and world_size: pass the three "
+            "(as dist.init_process_group takes them, e.g. init_method='tcp://HOST:PORT', rank=the process's index "
+            "in the job, world_size=the number of processes), or none of them to read the launcher's environment"
+        )
+    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+        raise EnvError(f"init(): rank must be in [0, world_size) and world_size >= 1, got rank={rank!r} "
+                       f"world_size={world_size!r}")  # fmt: skip
+    gpus = torch.cuda.device_count()
+    per_node = min(world_size, gpus) if gpus else world_size  # one node unless there are fewer GPUs than processes
+    return EnvInfo(rank=rank, local_rank=rank % per_node, world_size=world_size, local_world_size=per_node,
+                   launcher="init_method")  # fmt: skip
+
+
+def _export_single_process_env() -> None:
+    """World size 1: the variables torchrun sets, where absent, so that a script's own
+    ``int(os.environ["LOCAL_RANK"])`` works under ``python script.py`` as under torchrun."""
+    # A second init(), or a child process that inherits them, reads them as a world of one process
+    # (launchers.detect: WORLD_SIZE=1 without MASTER_ADDR/MASTER_PORT needs no rendezvous).
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+
+
+def init(
+    backend: str = "auto",
+    timeout_s: float = 300.0,
+    *,
+    gpus_per_process: int = 1,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> Context:
     """Start the process group from the launcher's environment and bind this process's device.
 
     torchrun, srun, a Kubeflow PyTorchJob and mpirun are read (``distlib.launchers``);
     without any launcher's variables this is world size 1: no process group is
-    started and the collectives of distlib are no-ops. Under a launcher other than
-    torchrun, the MASTER_ADDR and MASTER_PORT it derived are exported to this
+    started and the collectives of distlib are no-ops, and RANK, LOCAL_RANK, WORLD_SIZE and
+    LOCAL_WORLD_SIZE are set in ``os.environ`` where absent (0, 0, 1, 1), as torchrun would. Under
+    a launcher other than torchrun, the MASTER_ADDR and MASTER_PORT it derived are exported to this
     process's environment, where torch's rendezvous reads them. ``gpus_per_process`` > 1
     (the cuda.comm fallback mode) skips the one-GPU-per-process check.
+
+    ``init_method``, ``rank`` and ``world_size`` (all three, as ``dist.init_process_group`` takes
+    them: scripts started by ``mp.spawn`` with ``--dist-url tcp://HOST:PORT``) replace the
+    launcher's environment; the local rank is then ``rank`` modulo the GPUs this process sees (or
+    ``rank`` without GPUs: one node). A rank that does not arrive within ``timeout_s`` makes every
+    waiting rank raise EnvError saying how many joined and what to check.
     """
     global _CONTEXT, _timeout_s, _atexit_registered
-    info = parse_env()
+    explicit = _explicit(init_method, rank, world_size)
+    info = explicit if explicit is not None else parse_env()
     name = resolve_backend(backend)
     if info is None:
         info = EnvInfo(rank=0, local_rank=0, world_size=1, local_world_size=1)
+        _export_single_process_env()
     set_rank(info.rank)
     if name == "nccl":
         device = torch.device("cuda", _gpu_index(info, torch.cuda.device_count(), gpus_per_process, os.environ))
@@ -141,8 +190,9 @@ def init(backend: str = "auto", timeout_s: float = 300.0, *, gpus_per_process: i
     else:
         device = torch.device("cpu")
     if info.world_size > 1 and not dist.is_initialized():
-        os.environ["MASTER_ADDR"] = str(info.master_addr)  # torchrun's own values, or those the launcher gave
-        os.environ["MASTER_PORT"] = str(info.master_port)
+        if explicit is None:
+            os.environ["MASTER_ADDR"] = str(info.master_addr)  # torchrun's own values, or those the launcher gave
+            os.environ["MASTER_PORT"] = str(info.master_port)
         # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is
         # imported, which torch._dynamo does (the first optimizer imports it). Imported after the group
         # exists, it would keep the group alive past destroy_process_group(), and with it gloo's worker
@@ -153,24 +203,27 @@ def init(backend: str = "auto", timeout_s: float = 300.0, *, gpus_per_process: i
         if name == "nccl":
             kwargs["device_id"] = device  # binds the communicator to this GPU, eager init
         timeout = datetime.timedelta(seconds=timeout_s)
-        try:
-            dist.init_process_group(
-                backend=name,
-                timeout=timeout,
-                rank=info.rank,
-                world_size=info.world_size,
-                store=_restart_safe_store(info, timeout),
-                **kwargs,
-            )
-        except dist.DistNetworkError as e:  # rank 0 hosts the store on MASTER_PORT when torchrun does not
+        if explicit is not None:
+            kwargs["init_method"] = init_method
+        else:
+            kwargs["store"] = _restart_safe_store(info, timeout)
+        if explicit is not None:
+            where = f"init_method={init_method}"
+        else:
             where = f"MASTER_ADDR={os.environ['MASTER_ADDR']} MASTER_PORT={os.environ['MASTER_PORT']}"
+        try:
+            dist.init_process_group(backend=name, timeout=timeout, rank=info.rank, world_size=info.world_size, **kwargs)
+        except dist.DistNetworkError as e:  # rank 0 hosts the store on MASTER_PORT when torchrun does not
             if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
-                pick = "let torchrun pick one with --standalone" if info.launcher == "torchrun" else "set MASTER_PORT"
+                picks = {"torchrun": "let torchrun pick one with --standalone", "init_method": "change init_method"}
+                pick = picks.get(info.launcher, "set MASTER_PORT")
                 raise EnvError(
                     f"cannot start the process group: {where} is already in use by another process "
                     f"(another job, or a leftover one); choose a free port: {pick}"
                 ) from e
-            raise EnvError(f"cannot start the process group at {where}: {str(e).splitlines()[0]}") from e
+            raise _not_joined(info, where, timeout_s, str(e)) from e
+        except dist.DistStoreError as e:  # the store's host waited for the other ranks in vain
+            raise _not_joined(info, where, timeout_s, str(e)) from e
         _timeout_s = timeout_s
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
@@ -185,6 +238,22 @@ def init(backend: str = "auto", timeout_s: float = 300.0, *, gpus_per_process: i
     )
     get_logger().info("initialized: world_size=%d backend=%s device=%s", info.world_size, _CONTEXT.backend, device)
     return _CONTEXT
+
+
+def _not_joined(info: EnvInfo, where: str, timeout_s: float, torch_message: str) -> EnvError:
+    """The rendezvous did not complete within the timeout: how many ranks arrived, and what to check."""
+    first = torch_message.strip().splitlines()[0] if torch_message.strip() else "no detail"
+    joined = re.search(r"(\d+)/(\d+) clients joined", torch_message)
+    if joined:  # this rank hosts the store: it knows how many arrived
+        count = f"only {joined.group(1)} of {joined.group(2)} ranks joined the rendezvous"
+    else:
+        count = f"rank {info.rank} could not reach the rendezvous host (rank 0)"
+    return EnvError(
+        f"{count} at {where} within timeout_s={timeout_s:g} s ({first}). Check that every rank was started "
+        f"(world size {info.world_size}: on every node the same command with the same MASTER_ADDR, MASTER_PORT and "
+        "number of nodes, and its own node rank), that the address is rank 0's host and reachable from the others, "
+        "and that the port is open (no firewall) and the same everywhere"
+    )
 
 
 def context() -> Context | None:

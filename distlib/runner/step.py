@@ -200,8 +200,11 @@ def build_step(
         autocast = contextlib.nullcontext()
         net = model
     else:
+        # broadcast_buffers=False: the runner averages the BatchNorm statistics over the ranks with
+        # sync_buffers() before each evaluation instead (every rank's data counts), so the per-forward
+        # broadcast of rank 0's buffers would only cost a collective per step
         sync = distlib.GradSync(model, bucket_mb=cfg.dist.bucket_mb, compress=cfg.dist.compress,
-                                comm_groups=cfg.dist.comm_groups, shard=shard)  # fmt: skip
+                                comm_groups=cfg.dist.comm_groups, shard=shard, broadcast_buffers=False)  # fmt: skip
         autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None)
         # compiled at the first step (the warm-up, on a GPU), one graph per bucket so the all_reduces overlap
         net = distlib.compile_for_sync(model, sync) if t.compile else model

@@ -6,6 +6,7 @@ import copy
 import logging
 import os
 import random
+import stat
 import struct
 
 import numpy as np
@@ -280,3 +281,57 @@ def test_optimizer_state_is_restored_into_the_tensors_it_had(tmp_path):
     after = [s["momentum_buffer"] for s in opt.state.values()]
     assert all(a is b for a, b in zip(after, buffers))
     assert all(torch.equal(a, s) for a, s in zip(after, saved))
+
+
+def test_the_file_reaches_the_disk_before_its_name_and_the_name_before_save_returns(tmp_path, monkeypatch):
+    """A power cut must leave the old checkpoint or the whole new one: the data is synced before the
+    rename makes it the checkpoint, and the directory (the rename itself) before save returns."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        events.append(("fsync dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file", target))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", os.path.basename(str(dst))))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    model, opt, sched = make()
+    Checkpointer(str(tmp_path)).save(objects(model, opt, sched), epoch=1, step=0, global_step=1,
+                                     fingerprint=fingerprint(model))  # fmt: skip
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["fsync file", "rename", "fsync dir"], events
+    assert os.path.basename(events[0][1]).startswith(".tmp-")  # the temporary file's data, then its new name
+    assert events[1][1] == "epoch0001-step000000.pt" and events[2][1] == str(tmp_path)
+
+
+def test_a_checkpoint_gets_the_mode_of_any_other_file_the_run_writes(tmp_path):
+    """0666 less the umask, as open() gives: a group-shared run directory stays readable to the group
+    (a private temporary file renamed into place would be 0600)."""
+    old = os.umask(0o022)
+    try:
+        model, opt, sched = make()
+        path = Checkpointer(str(tmp_path)).save(objects(model, opt, sched), epoch=1, step=0, global_step=1,
+                                                fingerprint=fingerprint(model))  # fmt: skip
+        open(tmp_path / "metrics.jsonl", "w").close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(path).st_mode) == stat.S_IMODE(os.stat(tmp_path / "metrics.jsonl").st_mode) == 0o644
+
+
+def test_newest_is_the_latest_epoch_then_step_with_mid_epoch_checkpoints(tmp_path):
+    """A run stopped mid-epoch saves epochNNNN-stepNNNNNN with step > 0: the order (and what is kept
+    and resumed) is by epoch, then step; with every step 0 a key that put the step first would agree."""
+    model, opt, sched = make()
+    fp = fingerprint(model)
+    ck = Checkpointer(str(tmp_path), keep=3)
+    for epoch, step in ((1, 0), (1, 5), (2, 0), (2, 3)):
+        ck.save(objects(model, opt, sched), epoch=epoch, step=step, global_step=8 * epoch + step, fingerprint=fp)
+    names = [os.path.basename(p) for p in ck.paths()]
+    assert names == ["epoch0002-step000003.pt", "epoch0002-step000000.pt", "epoch0001-step000005.pt"]
+    resumed = Checkpointer(str(tmp_path)).load(objects(*make(seed=1)), fingerprint=fp)
+    assert (resumed.epoch, resumed.step, resumed.global_step) == (2, 3, 19)

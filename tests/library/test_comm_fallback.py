@@ -385,3 +385,40 @@ def test_two_torchrun_nodes_in_fallback_mode_match_two_processes(tmp_path):
     for x, y in zip(a, b):
         assert x["train_loss"] == pytest.approx(y["train_loss"], rel=1e-4)
         assert x["world_size"] == y["world_size"] == 2
+
+
+def _fallback_in_a_group(ctx, data):
+    """Global ranks 1 and 2 are the job's two nodes, in a group without rank 0 (the default group
+    would be the wrong one for every count, source and collective); 2 CPU replicas each."""
+    group = torch.distributed.new_group([1, 2])  # a collective of every rank
+    if ctx.rank == 0:
+        return None
+    node = ctx.rank - 1
+    torch.manual_seed(0 if node == 0 else 7)  # the group's first rank holds the reference's weights
+    model = bn_net()
+    replicas = Replicas(model, ["cpu"] * 2, bucket_mb=1e-4, group=group)
+    opt = make_opt(model)
+    losses = []
+    for x, y in data:
+        mine = slice(node * x.shape[0] // 2, (node + 1) * x.shape[0] // 2)
+        loss = replicas.train_step(x[mine], y[mine], F.cross_entropy)
+        torch.distributed.all_reduce(loss, group=group)
+        losses.append(loss.item() / 2)
+        opt.step()
+    replicas.sync_buffers()
+    return {"params": [p.tolist() for p in model.parameters()], "buffers": [b.tolist() for b in model.buffers()],
+            "losses": losses, "nodes": replicas.nodes, "total": replicas.total_devices}  # fmt: skip
+
+
+def test_a_group_of_some_ranks_is_the_set_of_nodes():
+    """``group=``: the nodes are the group's ranks (its first one the source of the weights), not the
+    whole world; 2 nodes x 2 replicas equal 4 processes per GPU, with BatchNorm."""
+    data = batches(3, 16)
+    ref_params, ref_buffers, ref_losses = reference_per_gpu("bn", data, 4)
+    out = run_ranks(_fallback_in_a_group, 3, data, timeout=90, init_timeout_s=20)
+    assert out[0] is None
+    for node in out[1:]:
+        assert (node["nodes"], node["total"]) == (2, 4)
+        assert_close_lists(node["params"], ref_params)
+        assert_close_lists(node["buffers"], ref_buffers)
+        assert node["losses"] == pytest.approx(ref_losses, rel=1e-5)

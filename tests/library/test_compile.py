@@ -178,3 +178,65 @@ def test_world_size_one_is_plain_compile_and_bad_input_is_named():
         compile_for_sync(model, sync, backend="aot_eager", mode="reduce-overhead")
     with pytest.raises(TypeError, match="nn.Module"):
         compile_for_sync(lambda x: x, sync)
+
+
+def _bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 5))
+
+
+def _bn_compiled_vs_ddp(ctx) -> dict:
+    """A BatchNorm model under compile_for_sync (buffers broadcast by GradSync's forward pre-hook,
+    which runs outside the compiled graph) against DDP's default broadcast_buffers, eager."""
+    from torch._dynamo.utils import counters
+
+    out = {}
+    for mode in ("ddp", "compiled"):
+        torch._dynamo.reset()
+        counters.clear()
+        model = _bn_net()
+        if mode == "ddp":
+            net, sync = nn.parallel.DistributedDataParallel(model), None
+        else:
+            sync = GradSync(model, bucket_mb=0.004, first_bucket_mb=0.001)
+            net = compile_for_sync(model, sync, backend="aot_eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i in range(3):
+            g = torch.Generator().manual_seed(100 * i + ctx.rank)
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
+            F.cross_entropy(net(x), y).backward()
+            if sync is not None:
+                sync.wait()
+            opt.step()
+            opt.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            evaluated = net(torch.randn(4, 16, generator=torch.Generator().manual_seed(ctx.rank)))
+        state = [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
+        out[mode] = {"state": state, "eval": evaluated, "recompiles": sum(counters["recompiles"].values())}
+    return out
+
+
+def test_compiled_buffers_broadcast_as_ddp():
+    for r in run_ranks(_bn_compiled_vs_ddp, 2, timeout=600):
+        for a, b in zip(r["ddp"]["state"], r["compiled"]["state"]):
+            torch.testing.assert_close(b, a, **TOL)
+        torch.testing.assert_close(r["compiled"]["eval"], r["ddp"]["eval"], **TOL)
+        # train() to eval() recompiles once (BatchNorm's training flag); the hook's own state does not
+        assert r["compiled"]["recompiles"] <= 1, r["compiled"]["recompiles"]
+
+
+def _inductor_imported(ctx) -> tuple[bool, bool]:
+    import sys
+
+    model = _net()
+    sync = GradSync(model, bucket_mb=0.016, first_bucket_mb=0.004)
+    before = "torch._inductor.compile_fx" in sys.modules
+    compile_for_sync(model, sync)  # not called: nothing is compiled
+    return before, "torch._inductor.compile_fx" in sys.modules
+
+
+def test_inductor_is_imported_when_compile_for_sync_is_called_as_by_torch_compile():
+    """Not in the first step: its start-up time is compared with torch.compile(DDP(model))'s."""
+    for before, after in run_ranks(_inductor_imported, 2, timeout=300):
+        assert (before, after) == (False, True)

@@ -82,3 +82,53 @@ def test_shutdown_releases_live_graphs_before_destroying_the_group():
     cuda_graph._LIVE.add(fake)
     distlib.shutdown()
     assert fake.group_alive_at_close is False
+
+
+def _bn_captured_vs_ddp(ctx) -> dict:
+    """A BatchNorm model stepped by DDP (broadcast_buffers=True, eager) and by a CapturedStep over
+    GradSync's default broadcast_buffers (the pre-forward broadcast is captured and replayed)."""
+    from torch.nn import functional as F
+
+    from distlib.grad_sync import GradSync
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    out = {}
+    for mode in ("ddp", "graph"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 5)).to(ctx.device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+        if mode == "ddp":
+            net = nn.parallel.DistributedDataParallel(model, device_ids=[ctx.device.index])
+        else:
+            sync = GradSync(model)
+            step = CapturedStep(model, opt, lambda x, y, m=model: F.cross_entropy(m(x), y), sync, warmup_steps=2)
+        for i in range(6):
+            g = torch.Generator().manual_seed(100 * i + ctx.rank)  # each rank its own data
+            x, y = torch.randn(8, 16, generator=g).to(ctx.device), torch.randint(0, 5, (8,), generator=g).to(ctx.device)
+            if mode == "ddp":
+                F.cross_entropy(net(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            else:
+                step(x, y)
+        torch.cuda.synchronize()
+        out[mode] = [t.detach().cpu().clone() for t in list(model.parameters()) + list(model.buffers())]
+        if mode == "graph":
+            out["captured"] = step.captured
+            step.close()
+            sync.close()
+        else:
+            del net
+    return out
+
+
+@pytest.mark.gpus(2)
+def test_captured_step_broadcasts_buffers_as_ddp_on_two_gpus():
+    from tests.conftest import run_ranks
+
+    results = run_ranks(_bn_captured_vs_ddp, 2, backend="nccl", timeout=600)
+    for r in results:
+        assert r["captured"]
+        for a, b in zip(r["ddp"], r["graph"]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)  # the buffers too: broadcast at each replay

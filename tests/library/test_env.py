@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
@@ -153,3 +158,65 @@ def test_init_with_half_set_environment_fails_before_anything_starts(no_torchrun
 def test_init_nccl_without_gpu(no_torchrun):
     with pytest.raises(EnvError, match=r"needs a GPU"):
         distlib.init("nccl")
+
+
+def test_init_at_world_size_1_sets_torchruns_variables(no_torchrun):
+    distlib.init("gloo")
+    try:
+        assert [os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")] == ["0", "0", "1", "1"]
+        assert distlib.init("gloo").world_size == 1  # a second init() does not take them for a half-set launcher
+        # nor does a child process that inherits them
+        code = "import distlib; print(distlib.init('gloo').world_size); distlib.shutdown()"
+        from tests.conftest import ROOT
+
+        child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert child.returncode == 0 and child.stdout.strip() == "1", child.stderr
+    finally:
+        distlib.shutdown()
+
+
+def test_one_process_variables_are_world_size_1_but_a_world_of_two_is_not():
+    one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    assert parse_env(one) is None
+    with pytest.raises(EnvError, match="MASTER_ADDR, MASTER_PORT missing"):
+        parse_env({**one, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+
+
+def test_init_method_needs_rank_and_world_size(no_torchrun):
+    with pytest.raises(EnvError, match=r"init\(\) got init_method but not all of init_method, rank and world_size"):
+        distlib.init("gloo", init_method="tcp://127.0.0.1:1234")
+    with pytest.raises(EnvError, match=r"rank must be in \[0, world_size\)"):
+        distlib.init("gloo", init_method="tcp://127.0.0.1:1234", rank=2, world_size=2)
+    assert not torch.distributed.is_initialized()
+
+
+def _spawned(ctx, port: int) -> list[float]:
+    """An mp.spawn script's start: its own rank and --dist-url, no launcher's environment."""
+    distlib.shutdown()  # run_ranks' own init() found no launcher: world size 1
+    ctx = distlib.init("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(os.environ["SPAWN_RANK"]), world_size=2)
+    assert (ctx.world_size, ctx.local_world_size, ctx.local_rank) == (2, 2, ctx.rank)
+    return distlib.all_reduce(torch.tensor([float(ctx.rank + 1)])).tolist()
+
+
+def test_init_method_rank_and_world_size_as_mp_spawn_gives_them():
+    from tests.conftest import free_port, run_ranks
+
+    base = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    envs = [{**base, "SPAWN_RANK": str(r)} for r in range(2)]
+    assert run_ranks(_spawned, 2, free_port(), rank_envs=envs) == [[3.0], [3.0]]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_that_never_starts_is_reported_within_the_timeout(no_torchrun, monkeypatch, rank):
+    from tests.conftest import free_port
+
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2, "MASTER_ADDR": "127.0.0.1"}
+    for k, v in {**env, "MASTER_PORT": free_port()}.items():
+        monkeypatch.setenv(k, str(v))
+    t0 = time.monotonic()
+    # rank 0 hosts the rendezvous and counts who came; rank 1 finds no host
+    said = r"only 1 of 2 ranks joined the rendezvous" if rank == 0 else r"rank 1 could not reach the rendezvous host"
+    with pytest.raises(EnvError, match=said + r".* within timeout_s=2 s .*Check that every rank was started"):
+        distlib.init("gloo", timeout_s=2)
+    assert time.monotonic() - t0 < 10
+    assert not torch.distributed.is_initialized()

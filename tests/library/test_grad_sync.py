@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import distlib
 from distlib.grad_sync import GradSync, ModelMismatchError
 from distlib.state_broadcast import broadcast_module
 from tests.conftest import run_ranks
@@ -530,15 +531,67 @@ def _twice(ctx):
     F.cross_entropy(model(x), y).backward()
     try:
         F.cross_entropy(model(x), y).backward()
-    except RuntimeError as e:
+    except distlib.DistlibError as e:
         sync.wait()  # keep the ranks' collectives matched before shutdown
-        return str(e)
+        return f"{type(e).__name__}: {e}" if isinstance(e, RuntimeError) else "not a RuntimeError"
     return None
 
 
 def test_backward_twice_without_wait_is_a_clear_error():
     for msg in run_ranks(_twice, 2):
-        assert msg and "produced twice before sync.wait()" in msg and "no_sync" in msg
+        assert msg and msg.startswith("GradSyncError") and "produced twice before sync.wait()" in msg, msg
+        assert "no_sync" in msg
+
+
+def _join_misuse(ctx) -> list[str]:
+    model = Net()
+    sync = GradSync(model)
+    out = []
+    with sync.join():
+        try:
+            with sync.join():
+                pass
+        except distlib.GradSyncError as e:
+            out.append(str(e))
+    try:
+        with sync.join():
+            x, y = _batch(0, B)
+            F.cross_entropy(model(x), y).backward()  # no wait() before leaving
+    except distlib.GradSyncError as e:
+        out.append(str(e))
+        sync.wait()
+    return out
+
+
+def test_join_misuse_is_a_distlib_error():
+    for msgs in run_ranks(_join_misuse, 2):
+        assert msgs == [
+            "GradSync.join(): already inside join()",
+            "GradSync.join(): a synced backward was not followed by sync.wait() before leaving",
+        ]
+
+
+def _uneven_without_join(ctx) -> str:
+    model = Net()
+    sync = GradSync(model)
+    message = ""
+    for step in range(2 if ctx.rank == 0 else 1):  # rank 0 has one batch more, and no join()
+        x, y = _batch(step, B)
+        F.cross_entropy(model(x), y).backward()
+        try:
+            sync.wait()
+        except distlib.GradSyncError as e:
+            message = str(e)
+    if ctx.rank == 1:
+        time.sleep(4)  # gone only after rank 0's timeout (a closed connection would be another error)
+    distlib.shutdown(barrier=False)  # a gloo group is unusable after a timeout: no final barrier
+    return message
+
+
+def test_uneven_inputs_without_join_time_out_with_a_hint():
+    r0, r1 = run_ranks(_uneven_without_join, 2, init_timeout_s=2.5)
+    assert r1 == ""
+    assert r0.startswith("GradSync.wait(): a gradient all_reduce timed out") and "`with sync.join():`" in r0, r0
 
 
 def test_world_size_one_is_a_no_op():
@@ -658,3 +711,22 @@ def test_captured_step_equals_eager_on_two_gpus():
         for n, out in res.items():
             assert out["captured"], n
             assert out["param_diff"] < 1e-5 and out["loss_diff"] < 1e-5, (n, out)
+
+
+def _join_buffers(ctx, broadcast: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(192, 8), nn.BatchNorm1d(8), nn.Linear(8, 5))
+    sync = GradSync(model, broadcast_buffers=broadcast)
+    with sync.join():
+        for step in range(3 if ctx.rank == 1 else 1):  # rank 1 leaves join() last
+            x, y = _batch(10 * step + ctx.rank, B)
+            F.cross_entropy(model(x), y).backward()
+            sync.wait()
+    return [b.clone() for b in model.buffers()]
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_join_ends_with_the_last_joiners_buffers_as_ddp(broadcast):
+    r0, r1 = run_ranks(_join_buffers, 2, broadcast)
+    assert all(torch.equal(a, b) for a, b in zip(r0, r1)) == broadcast
+    assert int(r0[-1]) == (3 if broadcast else 1)  # num_batches_tracked: rank 1's three forwards, or rank 0's own one

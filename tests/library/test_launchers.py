@@ -101,6 +101,15 @@ def test_srun():
     assert (moved.master_addr, moved.master_port) == ("10.0.0.1", 29999)
 
 
+def test_srun_port_follows_the_step_id():
+    # two srun steps of one job at once (two trainings in one allocation): each its own port; the
+    # default fixture's step 0 cannot tell the derivation from one that ignores the step
+    ports = {step: detect(srun_env(5, SLURM_STEP_ID=str(step))).master_port for step in (0, 1, 3)}
+    assert ports == {step: slurm_port(4242, step) for step in (0, 1, 3)}
+    assert len(set(ports.values())) == 3
+    assert detect(srun_env(5, SLURM_STEP_ID="batch")).master_port == slurm_port(4242, 0)  # not a number: step 0
+
+
 def test_srun_uneven_tasks_per_node():
     env = srun_env(2, world=3, SLURM_STEP_TASKS_PER_NODE="2,1", SLURM_NODEID="1", SLURM_LOCALID="0")
     assert fields(detect(env)) == ("srun", 2, 0, 3, 1)
@@ -228,6 +237,15 @@ def test_mpirun_on_one_node():
         20000 <= derived < 30000
         and derived == detect(ompi(3, 4, 3, 4, OMPI_MCA_ess_base_jobid="3416981505")).master_port
     )
+
+
+def test_mpirun_port_from_open_mpi_5s_pmix_namespace():
+    # Open MPI 5 names the job in PMIX_NAMESPACE (no OMPI_MCA_ess_base_jobid): every rank derives the
+    # same port from it, another job another port, and neither is the fixed default
+    ports = [detect(ompi(r, 4, r, 4, PMIX_NAMESPACE="prterun-gpu07-12345@1")).master_port for r in range(4)]
+    other = detect(ompi(0, 4, 0, 4, PMIX_NAMESPACE="prterun-gpu07-12399@1")).master_port
+    assert len(set(ports)) == 1 and 20000 <= ports[0] < 30000
+    assert ports[0] != other and 29500 not in (ports[0], other)
 
 
 def test_mpirun_on_several_nodes_needs_master_addr():

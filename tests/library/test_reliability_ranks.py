@@ -62,6 +62,7 @@ def _per_rank_checkpoint(ctx, directory: str) -> dict:
     return {
         "position": (position.shared, position.own.item()),
         "path": path,
+        "directory_exists": os.path.isdir(directory),
         "loss_sum": resumed.rank_extra["loss_sum"].item(),
         "rng": torch.equal(torch.rand(2), expected),
         "bn": bn.running_mean.tolist(),
@@ -125,7 +126,8 @@ def _scenarios(ctx, tmp: str) -> dict:
         open(blocker, "w").write("a file where a directory should be")
     dist.barrier()
     return {
-        "checkpoint": _per_rank_checkpoint(ctx, os.path.join(tmp, "ck")),
+        # each rank names its own directory, as on two nodes: only rank 0's need exist
+        "checkpoint": _per_rank_checkpoint(ctx, os.path.join(tmp, "ck" if ctx.is_main else "ck-of-rank-1")),
         "failed_write": _failed_write(ctx, os.path.join(blocker, "checkpoints")),
         "stop": _stop_agreement(ctx),
         "stop_all": _stop_agreement(ctx, (0, 1)),
@@ -142,6 +144,9 @@ def two_ranks(tmp_path_factory):
 def test_each_rank_gets_back_its_own_rng_buffers_and_values(two_ranks):
     r0, r1 = (r["checkpoint"] for r in two_ranks)
     assert r0["path"] is not None and r1["path"] is None  # only rank 0 writes
+    # rank 0 alone writes and reads the files, the others get the state from it: another rank's
+    # directory (on its own node) is never created, and its rank still resumes
+    assert r0["directory_exists"] and not r1["directory_exists"]
     assert (r0["loss_sum"], r1["loss_sum"]) == (10.0, 11.0)
     assert (r0["position"], r1["position"]) == ((5, 20.0), (5, 21.0))  # state_dict rank 0's, rank_state_dict own
     assert r0["rng"] and r1["rng"]

@@ -50,6 +50,86 @@ def test_set_epoch_chooses_the_next_pass():
     assert indices(loader) == passes[1]
 
 
+def ddp_epoch(n: int, world: int, rank: int, epoch: int, batch_size: int = 3, drop_last: bool = False) -> list[int]:
+    """What a DDP script's rank reads in ``epoch``: DataLoader + DistributedSampler with set_epoch."""
+    sampler = DistributedSampler(dataset(n), num_replicas=world, rank=rank, shuffle=True, drop_last=drop_last)
+    sampler.set_epoch(epoch)
+    return indices(torch.utils.data.DataLoader(dataset(n), batch_size=batch_size, sampler=sampler, drop_last=drop_last))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_epochs_follow_the_loop_not_iter(world):
+    # the DDP order of epochs 0, 1, 2, whatever the loop does besides its one full pass per epoch
+    for rank in range(world):
+        (loader,) = [distlib.distributed_loader(dataset(41), 3, num_replicas=world, rank=rank)]
+        for epoch in range(3):
+            first = next(iter(loader))  # a peek: not a pass
+            assert [int(i) for i in first[0]] == ddp_epoch(41, world, rank, epoch)[:3]
+            half = iter(loader)
+            next(half)  # a pass begun and abandoned replays the same epoch next time
+            assert indices(loader) == ddp_epoch(41, world, rank, epoch), (rank, epoch)
+        assert loader.epoch == 3
+
+
+def test_ddp_set_epoch_on_the_sampler_is_honoured():
+    loader = distlib.distributed_loader(dataset(41), 3, num_replicas=2, rank=1)
+    for epoch in (0, 1, 1, 5, 2):  # DDP's idiom, including a repeated and a jumping epoch
+        loader.sampler.set_epoch(epoch)
+        next(iter(loader))
+        assert indices(loader) == ddp_epoch(41, 2, 1, epoch)
+    loader.set_epoch(0)  # the loader's own, same meaning
+    assert indices(loader) == ddp_epoch(41, 2, 1, 0)
+    assert indices(loader) == ddp_epoch(41, 2, 1, 1)  # then it counts on
+
+
+def test_state_dict_resumes_the_order():
+    loader = distlib.distributed_loader(dataset(41), 3, num_replicas=2, rank=0)
+    for _ in range(2):
+        indices(loader)
+    saved = loader.state_dict()
+    assert saved == {"epoch": 2}
+    resumed = distlib.distributed_loader(dataset(41), 3, num_replicas=2, rank=0)
+    resumed.load_state_dict(saved)
+    assert [indices(resumed) for _ in range(2)] == [ddp_epoch(41, 2, 0, e) for e in (2, 3)]
+    resumed.set_epoch(7)  # a pending set_epoch is what a checkpoint taken now must hold
+    assert resumed.state_dict() == {"epoch": 7}
+
+
+def test_loader_reads_like_a_dataloader():
+    ds = dataset(41)
+    loader = distlib.distributed_loader(ds, 4, num_replicas=3, rank=2, drop_last=True, num_workers=0)
+    assert loader.batch_size == 4 and loader.drop_last is True and loader.num_workers == 0
+    assert loader.dataset is ds and isinstance(loader.sampler, DistributedSampler)
+    assert loader.sampler.num_replicas == 3 and loader.sampler.rank == 2
+    assert len(loader) == 41 // 3 // 4 == len(list(loader))
+    # drop_last applies to both the sampler (no padded repeats) and the last short batch: the
+    # DDP script with DistributedSampler(drop_last=True) and DataLoader(drop_last=True)
+    assert indices(loader) == ddp_epoch(41, 3, 2, 1, batch_size=4, drop_last=True)
+    with pytest.raises(AttributeError):
+        loader.no_such_attribute  # noqa: B018
+
+
+def _loader_on_ranks(ctx, n: int):
+    """On a real rank: the loader's passes (with a peek and a re-made iterator), then a resume."""
+    loader = distlib.distributed_loader(dataset(n), 3)
+    out = []
+    for _epoch in range(2):
+        next(iter(loader))
+        out.append(indices(loader))
+    again = distlib.distributed_loader(dataset(n), 3)
+    again.load_state_dict(loader.state_dict())
+    out.append(indices(again))
+    return ctx.rank, out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_loader_on_gloo_ranks_matches_ddp(world):
+    from tests.conftest import run_ranks
+
+    for rank, passes in run_ranks(_loader_on_ranks, world, 41):
+        assert passes == [ddp_epoch(41, world, rank, e) for e in range(3)], rank
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_share_one_permutation_per_epoch(world):
     n = 12 * world  # divides evenly: no padding, so the shards must be disjoint
@@ -113,7 +193,7 @@ def test_drop_last_drops_the_tail_everywhere():
 def test_dataloader_kwargs_pass_through_and_sampler_is_refused():
     loader = distlib.distributed_loader(dataset(10), batch_size=4, num_replicas=1, rank=0, shuffle=False)
     assert [len(b) for (b,) in loader] == [4, 4, 2] and len(loader) == 3
-    with pytest.raises(ValueError, match="do not pass sampler or batch_sampler"):
+    with pytest.raises(distlib.LoaderError, match="do not pass sampler or batch_sampler"):
         distlib.distributed_loader(dataset(10), batch_size=4, sampler=None)
     with pytest.raises(ValueError, match=r"rank 3 is not in \[0, 3\)"):
         distlib.distributed_loader(dataset(10), batch_size=4, num_replicas=3, rank=3, exact=True)
@@ -210,3 +290,14 @@ def test_exact_shuffle_follows_the_seed():
     for r, shard in enumerate(orders(7)):
         perm[r::3] = shard
     assert perm == torch.randperm(30, generator=torch.Generator().manual_seed(7)).tolist()
+
+
+def test_checkpointer_saves_the_loader(tmp_path):
+    from distlib.checkpoint import Checkpointer
+
+    loader = distlib.distributed_loader(dataset(41), 3, num_replicas=2, rank=1)
+    indices(loader)
+    Checkpointer(str(tmp_path)).save({"loader": loader}, epoch=1, step=0, global_step=14, fingerprint={})
+    resumed = distlib.distributed_loader(dataset(41), 3, num_replicas=2, rank=1)
+    Checkpointer(str(tmp_path)).load({"loader": resumed}, fingerprint={})
+    assert indices(resumed) == ddp_epoch(41, 2, 1, 1)

@@ -30,3 +30,22 @@ def test_closing_without_a_signal_restores_the_handlers():
     assert signal.getsignal(signal.SIGTERM) == stop._handle
     stop.close()
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_the_signals_given_are_the_ones_caught():
+    """``signals=(SIGUSR1,)``: that signal stops the run with 128 + its number, and SIGTERM's and
+    SIGINT's handlers are left as they were (the defaults would catch those two instead)."""
+    ignored = signal.signal(signal.SIGUSR1, lambda *_: None)  # uncaught, SIGUSR1 would end pytest
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    stop = StopSignal(signals=(signal.SIGUSR1,))
+    try:
+        assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
+        assert signal.getsignal(signal.SIGINT) == before[signal.SIGINT]
+        assert not stop.check()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.check() and (stop.name, stop.exit_code) == ("SIGUSR1", 128 + signal.SIGUSR1)
+    finally:
+        stop.close()
+        restored = {s: signal.getsignal(s) for s in before}
+        signal.signal(signal.SIGUSR1, ignored)
+    assert restored == before

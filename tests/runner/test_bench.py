@@ -24,6 +24,18 @@ def test_help_lists_the_subcommands():
         assert word in out.stdout
 
 
+def test_compile_startup_help_and_arguments():
+    cmd = [sys.executable, "bench/compile_startup.py", "--help"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and "--compile-times" in out.stdout and "warm" in out.stdout, out.stderr
+    from bench.compile_startup import parse_args as startup_args
+
+    args = startup_args(["--modes", "distlib,plain", "--runs", "warm"])
+    assert args.modes == ["distlib", "plain"] and args.runs == "warm" and args.child is None
+    assert parse_args(["step", "--no-broadcast-buffers"]).broadcast_buffers is False
+    assert parse_args(["step"]).broadcast_buffers is True
+
+
 def test_parse_args_defaults_and_errors(capsys):
     args = parse_args(["all"])
     assert args.sizes_mb == [1, 4, 16, 64, 256, 1024] and args.batch == 512 and args.modes == list(MODES)

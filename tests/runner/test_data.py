@@ -205,3 +205,29 @@ def test_a_rewritten_archive_of_the_same_size_is_decoded_again(tmp_path):
     assert second.source == "decoded"
     assert torch.equal(second.x_train, first.x_train.roll(3, 0))  # dog's three images first now
     assert torch.equal(second.y_train, first.y_train)
+
+
+def test_the_cache_key_tells_data_sets_of_one_shape_apart(tmp_path, monkeypatch):
+    """Two data sets with the same folders and file counts share a cache directory (the default one
+    does), each named by the same relative data.root from its own checkout: each gets its own
+    images; a renamed class folder is a new data set with the new class."""
+    cache = str(tmp_path / "cache")
+    imagefolder(tmp_path / "a" / "data")
+    monkeypatch.chdir(tmp_path / "a")
+    first = load_image_set("data", cache_dir=cache)
+    other = tmp_path / "b" / "data"
+    for split in ("train", "test"):  # the same layout and counts, other images (the next three of each class)
+        for cls in CLASSES:
+            os.makedirs(other / split / cls)
+            for name in sorted(os.listdir(os.path.join(DEMO, split, cls)))[3:6]:
+                shutil.copy(os.path.join(DEMO, split, cls, name), other / split / cls / name)
+    monkeypatch.chdir(tmp_path / "b")
+    second = load_image_set("data", cache_dir=cache)
+    assert second.source == "decoded" and not torch.equal(second.x_train, first.x_train)
+    # dog/ renamed fox/: the same files in the same order under another class name
+    for split in ("train", "test"):
+        os.rename(other / split / "dog", other / split / "fox")
+    renamed = load_image_set("data", cache_dir=cache)
+    assert renamed.source == "decoded" and renamed.classes == ["cat", "fox"]
+    assert torch.equal(renamed.x_train, second.x_train)
+    assert load_image_set("data", cache_dir=cache).source == "cache"  # and its own cache is reused

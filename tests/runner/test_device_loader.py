@@ -180,3 +180,32 @@ def test_eval_shards_cover_every_sample_exactly_once(world):
             assert len(yb) <= 3 and torch.equal(xb, x[yb])
             seen += yb.tolist()
     assert sorted(seen) == list(range(10))
+
+
+# ---- the augmentation's random draws ----------------------------------------------------------
+# Every image of the set is one image, so a batch's pixels depend on the draws alone (not on which
+# samples the shuffled order put in it).
+
+AUGMENT = {"crop_pad": 2, "flip": "random", "cutout_size": 3}
+
+
+def epoch_pixels(*, rank: int, world: int = 2, seed: int = 0, epoch: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    one = torch.randint(0, 256, (1, 3, 8, 8), generator=g, dtype=torch.uint8)
+    images = one.expand(32, -1, -1, -1).contiguous()
+    loader = DeviceLoader(images, torch.zeros(32, dtype=torch.long), batch_size=4, rank=rank, world_size=world,
+                          seed=seed, **AUGMENT)  # fmt: skip
+    loader.set_epoch(epoch)
+    return torch.cat([x for x, _ in loader])
+
+
+def test_each_rank_epoch_and_seed_draws_its_own_augmentation_and_the_same_again():
+    base = epoch_pixels(rank=0)
+    assert torch.equal(base, epoch_pixels(rank=0))  # a resumed epoch sees the same crops, flips, squares
+    # ranks that drew alike would augment the k-th image of every rank's slice the same way
+    assert not torch.equal(base, epoch_pixels(rank=1))
+    assert not torch.equal(base, epoch_pixels(rank=0, epoch=1))  # a new epoch, new draws
+    assert not torch.equal(base, epoch_pixels(rank=0, seed=1))  # train.seed reaches the augmentation
+    # the draws differ image by image, not only somewhere in the epoch
+    per_image = (base - epoch_pixels(rank=1)).flatten(1).abs().amax(1) > 0
+    assert per_image.float().mean() > 0.5, per_image

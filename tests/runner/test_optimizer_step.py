@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlib.runner.config import Config
+from distlib.runner.optimizer_step import autocast_dtype
 from distlib.runner.step import build_step
 from tests.conftest import run_ranks
 
@@ -164,3 +165,12 @@ def test_clip_grad_norm_inside_the_captured_cuda_graph():
     for weights in run_ranks(_clip_rank, 2, "process_per_gpu", backend="nccl"):
         for a, b in zip(weights, expected):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_autocast_dtype_follows_the_precision_on_each_device():
+    """On the CPU the tests run on, bf16 means no autocast: a rule that dropped bf16 everywhere would
+    agree there, and every GPU run would train in fp32. The device is only named here (no GPU needed)."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert autocast_dtype("bf16", cuda) is torch.bfloat16 and autocast_dtype("bf16", cpu) is None
+    assert autocast_dtype("fp16", cuda) is autocast_dtype("fp16", cpu) is torch.float16
+    assert autocast_dtype("fp32", cuda) is autocast_dtype("fp32", cpu) is None

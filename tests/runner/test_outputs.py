@@ -186,6 +186,7 @@ def test_launch_under_torchrun_leaves_its_outputs(tmp_path):
         trace = json.loads((out / "profile" / f"trace_rank{rank}.json").read_text())
         names = {e.get("name") for e in trace["traceEvents"]}
         assert {"ProfilerStep#2", "ProfilerStep#3"} <= names
+        assert not {"ProfilerStep#1", "ProfilerStep#4"} & names  # profile.wait and profile.active, not the defaults
         assert any("all_reduce" in str(n) or "allreduce" in str(n) for n in names)  # the gradient sync is in it
         assert "Self CPU" in (out / "profile" / f"table_rank{rank}.txt").read_text()
 

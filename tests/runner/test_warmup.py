@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import distlib
 from distlib.runner.warmup import warm_up
 
 
@@ -44,3 +45,28 @@ def test_zero_steps_does_nothing():
     calls = []
     warm_up(lambda: calls.append(1), [model], opt, steps=0)
     assert calls == []
+
+
+def test_every_module_given_is_put_back_the_weight_average_too():
+    """With train.ema the step also moves the average (``EMA.update`` runs inside it, captured in the
+    graph on a GPU): the warm-up must put back every module it is given, not only the model."""
+
+    def run(warm: bool):
+        model, opt, batches = _setup()
+        ema = distlib.EMA(model, decay=0.5)
+
+        def step(x, y):
+            _step(model, opt, x, y)
+            ema.update()
+
+        if warm:
+            junk = torch.randn(32, 8), torch.randint(0, 3, (32,))
+            warm_up(lambda: step(*junk), [model, ema.module], opt, steps=3)
+        for x, y in batches:
+            step(x, y)
+        return model.state_dict(), ema.module.state_dict()
+
+    (model_a, ema_a), (model_b, ema_b) = run(warm=False), run(warm=True)
+    for name in model_a:
+        assert torch.equal(model_a[name], model_b[name]), name
+        assert torch.equal(ema_a[name], ema_b[name]), f"the average's {name}"
