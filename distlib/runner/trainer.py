@@ -11,8 +11,10 @@ What it trains for (data, loss, evaluation, metrics) is the ``Task``'s business
 (runner/tasks.py): image classification or causal language modelling, chosen by ``build_task``.
 Where the run stands (epochs done, steps into the next, its clocks, this rank's loss sum)
 is a ``TrainState``, saved in every checkpoint, so a resumed run continues bit for bit.
-How gradients are synced is the ``TrainStep``'s business (runner/step.py): nothing here
-depends on ``dist.mode``.
+How gradients are synced is the ``TrainStep``'s business (runner/step.py), and the checkpoint
+format the ``RunCheckpoints``' (runner/checkpoints.py): nothing here depends on ``dist.mode``, and
+``dist.shard`` only where the model is made (``build_model``) and where a fully sharded model
+must run its forward passes on every rank (``finish_task``).
 """
 
 from __future__ import annotations
