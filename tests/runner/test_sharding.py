@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 
 import pytest
@@ -201,7 +202,7 @@ def test_a_sharded_run_stopped_mid_epoch_resumes_exactly_at_the_same_and_another
     stop = int(saved[1].removeprefix("step"))  # every rank stops at the same step, the signal's or the next
     assert STOP_AFTER <= stop < 16
     again = tmp_path / "again"
-    os.system(f"cp -r {out} {again}")
+    shutil.copytree(out, again)
 
     same = run_ranks(_losses, 2, shard, str(out), None, timeout=180)  # 2 -> 2
     for r in range(2):
@@ -283,7 +284,11 @@ def test_the_gpt_demo_trains_on_two_gpus_in_each_shard_mode(tmp_path, shard, ove
     assert all(len(row["peak_mem_gib"]) == 2 for row in rows)
     # the last checkpoint's epoch trained again at one GPU from the one before: 2 -> 1
     ckpts = sorted(os.listdir(out / "checkpoints"))
-    os.system(f"rm -rf {out / 'checkpoints' / ckpts[-1]}")
+    last = out / "checkpoints" / ckpts[-1]
+    if last.is_dir():  # sharded: a directory of every rank's files
+        shutil.rmtree(last)
+    else:
+        last.unlink()
     launch(args, nproc=1, timeout=400)
     again = metrics(out)
     assert again[-1]["world_size"] == 1
