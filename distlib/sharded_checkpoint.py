@@ -407,7 +407,8 @@ class ShardedCheckpointer:
                     if key and "." not in key and key not in obj and isinstance(meta, BytesStorageMetadata):
                         obj[key] = None
         states = _state_dicts(objects)
-        have = set(flatten_state_dict(states)[0])
+        # over every rank: a ShardedOptimizer's rank holds the state of the parameters in its slice only
+        have = set().union(*self._all_gather(sorted(flatten_state_dict(states)[0])))
         lacking = {n: [k for k in saved if k.startswith(f"{n}.") and k not in have] for n in objects}
         lacking = {n: keys for n, keys in lacking.items() if keys}
         if lacking:
@@ -416,7 +417,7 @@ class ShardedCheckpointer:
                 f"{name!r} ({type(objects[name]).__name__}) has no place for {len(keys)} value(s) checkpoint {found} "
                 f"holds ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}): its state_dict() must have "
                 "every key and tensor before resume (create its state first, e.g. as its first step would)"
-            )  # the same on every rank: every rank reads the same .metadata
+            )  # the same on every rank: every rank reads the same .metadata and gathers the same keys
         error = None
         try:
             dcp.load(states, storage_reader=dcp.FileSystemReader(found), process_group=self._pg())

@@ -203,6 +203,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         sync._sharded_optimizer = self
         self._build(None)
 
+    @property
+    def inner(self) -> torch.optim.Optimizer | None:
+        """The ``optimizer_class`` instance stepping this rank's pieces (None when it holds none)."""
+        return self._inner
+
     def add_param_group(self, param_group: dict) -> None:  # noqa: D102 (torch.optim.Optimizer)
         if hasattr(self, "sync"):
             raise ShardingError(

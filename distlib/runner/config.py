@@ -97,6 +97,7 @@ class DistConfig:
     bucket_mb: float = 25.0  # gradient bucket size
     comm_groups: int = 2  # communicators the buckets go to round-robin (their all_reduces overlap; 2: BENCHMARKS.md)
     compress: Literal["none", "bf16"] = "none"  # gradient compression for the all_reduce
+    shard: Literal["none", "optimizer", "full"] = "none"  # optimizer: ZeRO-1; full: FSDP2 (docs/sharding.md)
 
 
 @dataclass
@@ -319,11 +320,41 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         problems.append("run.tensorboard=true: the tensorboard package is not installed; "
                         "pip install 'distlib[tensorboard]', or set run.tensorboard=false")  # fmt: skip
     _check_components(cfg, problems)
+    _check_sharding(cfg, problems)
     if cfg.train.compile and cfg.dist.mode == "fallback":
         problems.append(
             "train.compile=true with dist.mode=fallback: the fallback mode's replicas are not compiled; "
             "use dist.mode=process_per_gpu or train.compile=false"
         )
+
+
+def _check_sharding(cfg: Config, problems: list[str]) -> None:
+    """The settings dist.shard cannot run with (docs/sharding.md, "With the runner")."""
+    shard, t, d = cfg.dist.shard, cfg.train, cfg.dist
+    if shard == "none":
+        return
+    if d.mode == "fallback":
+        problems.append(f"dist.shard={shard} with dist.mode=fallback: the fallback mode replicates the model on every "
+                        "GPU of a node; use dist.mode=process_per_gpu or dist.shard=none")  # fmt: skip
+    if t.precision == "fp16":
+        # the GradScaler's inf/nan check would read this rank's shard only: the ranks could disagree on a skip
+        problems.append(f"train.precision=fp16 with dist.shard={shard}: the fp16 loss scaler cannot check sharded "
+                        "gradients; use train.precision=bf16 (no scaler) or fp32, or dist.shard=none")  # fmt: skip
+    if shard != "full":
+        return
+    if t.cuda_graph:
+        problems.append("train.cuda_graph=true with dist.shard=full: FSDP2 has no CUDA-graph support "
+                        "(pytorch/pytorch#164264); set train.cuda_graph=false, or use dist.shard=optimizer, "
+                        "whose whole step can be one CUDA graph")  # fmt: skip
+    if t.compile:
+        problems.append("train.compile=true with dist.shard=full: the runner compiles replicated models only; "
+                        "set train.compile=false, or use dist.shard=optimizer")  # fmt: skip
+    if t.ema > 0:
+        problems.append("train.ema > 0 with dist.shard=full: the weight average is a whole copy of the model on "
+                        "every rank; set train.ema=0, or use dist.shard=optimizer")  # fmt: skip
+    if d.compress != "none":
+        problems.append(f"dist.compress={d.compress} with dist.shard=full: FSDP2 reduce-scatters the gradients in "
+                        "fp32 (bf16 weights with train.precision=bf16); set dist.compress=none")  # fmt: skip
 
 
 def task_of(cfg: Config) -> str:

@@ -9,6 +9,10 @@ norm of the global gradient, not of one rank's share.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -23,14 +27,42 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return dtype
 
 
+@dataclass
+class OptimizerSpec:
+    """An optimizer not built yet: ``cls(groups, **kwargs)``. The step builds it, on the parameters it
+    trains: the model's own, or (``dist.shard=optimizer``) this rank's slice of them."""
+
+    cls: type[torch.optim.Optimizer]
+    groups: list[dict[str, Any]]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer) -> OptimizerSpec:
+        """The spec of an optimizer already built: its class and its groups with every setting."""
+        return cls(type(optimizer), [dict(g) for g in optimizer.param_groups])
+
+    def build(self) -> torch.optim.Optimizer:
+        return self.cls(self.groups, **self.kwargs)
+
+
 class OptimizerStep:
     """``scale(loss)`` before the backward; ``step()`` once the gradients are averaged:
     unscale (fp16), clip the global norm, step (skipped by the scaler on inf/nan), zero the
-    gradients. ``clip()`` alone is what a captured CUDA graph runs between sync and step."""
+    gradients. ``clip()`` alone is what a captured CUDA graph runs between sync and step.
+    ``clip_fn(max_norm)``: what clips the global norm (the gradient sync's ``clip_grad_norm_``,
+    which also knows sharded gradients); by default torch's over the optimizer's parameters."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, scaler: torch.amp.GradScaler | None, clip_grad_norm: float):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scaler: torch.amp.GradScaler | None,
+        clip_grad_norm: float,
+        clip_fn: Callable[[float], Any] | None = None,
+    ):
         self.optimizer, self.scaler, self.clip_grad_norm = optimizer, scaler, clip_grad_norm
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.clip_fn = clip_fn
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scaler is None else self.scaler.scale(loss)
@@ -38,7 +70,11 @@ class OptimizerStep:
     def clip(self) -> None:
         # error_if_nonfinite=False: no host sync, so this can run inside a captured graph;
         # a non-finite norm only happens on a step the scaler skips anyway
-        if self.clip_grad_norm > 0:
+        if self.clip_grad_norm <= 0:
+            return
+        if self.clip_fn is not None:
+            self.clip_fn(self.clip_grad_norm)
+        else:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm, error_if_nonfinite=False)
 
     def step(self) -> None:

@@ -1,9 +1,11 @@
 """One training step, whichever way gradients are synced: ``loss = step(x, y)``.
 
 The trainer sees only ``TrainStep``; ``build_step`` alone picks the implementation from
-``dist.mode``:
+``dist.mode`` and ``dist.shard``:
 
-- ``process_per_gpu``: ``GradSyncStep``, one process per GPU with distlib.GradSync, run
+- ``process_per_gpu``: ``GradSyncStep``, one process per GPU with distlib.GradSync (with
+  ``dist.shard=optimizer`` its reduce-scatter and the ShardedOptimizer; with ``full`` FSDPSync
+  over the model from ``shard_model``, FSDP2's mixed precision in place of autocast), run
   eagerly (``grad_accum`` micro-steps, communication on the last only) or replayed as one
   CUDA graph (``train.cuda_graph``, distlib/cuda_graph.py); the model compiled by
   ``distlib.compile_for_sync`` with ``train.compile`` (its kernels then inside the graph);
@@ -13,7 +15,8 @@ The trainer sees only ``TrainStep``; ``build_step`` alone picks the implementati
 Every step runs forward, backward, the gradient sync, the optimizer step and ``post_step`` (the
 weight EMA's update; inside the graph when there is one), and returns this rank's mean loss
 (not synced). Loss scaling (fp16) and gradient clipping are the shared ``OptimizerStep``'s
-(runner/optimizer_step.py), run only on the averaged gradients. Calling a step is a collective:
+(runner/optimizer_step.py), run only on the averaged gradients; the clipping norm is the sync's
+``clip_grad_norm_``, the global norm whether the gradients are replicated or sharded. Calling a step is a collective:
 every rank must call it alike.
 """
 
@@ -32,7 +35,7 @@ from distlib.cuda_graph import build_train_step
 from distlib.process_group import Context, EnvError
 from distlib.runner.config import Config, ConfigError
 from distlib.runner.losses import cross_entropy
-from distlib.runner.optimizer_step import OptimizerStep, autocast_dtype
+from distlib.runner.optimizer_step import OptimizerSpec, OptimizerStep, autocast_dtype
 from distlib.runner.warmup import warm_up
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -66,13 +69,14 @@ class TrainStep:
 
 
 class GradSyncStep(TrainStep):
-    """One process per GPU: GradSync all_reduces the gradients in buckets during the backward."""
+    """One process per GPU: the gradient sync (GradSync: all_reduce, or reduce_scatter for the
+    sharded optimizer; FSDPSync: FSDP2's reduce-scatters) runs in buckets during the backward."""
 
     def __init__(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        sync: distlib.GradSync,
+        sync: distlib.GradSync | distlib.FSDPSync,
         loss_of: LossFn,  # (inputs, targets) -> mean loss, the model's forward inside
         *,
         update: OptimizerStep,
@@ -155,19 +159,23 @@ def build_step(
     cfg: Config,
     ctx: Context,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | OptimizerSpec,
     per_rank: int,
     post_step: Callable[[], None] | None = None,
     loss_fn: LossFn | None = None,
 ) -> TrainStep:
-    """The step for ``cfg.dist.mode``. ``per_rank``: this process's batch. ``post_step``: run after
-    each optimizer step (captured with it). ``loss_fn(outputs, targets)``: the task's mean loss
-    (default: cross-entropy with train.label_smoothing). A collective
-    (GradSync and Replicas start from rank 0's weights): every rank must call it."""
-    t = cfg.train
+    """The step for ``cfg.dist.mode`` and ``cfg.dist.shard``, with its optimizer (``step.optimizer``),
+    built from ``optimizer`` (a spec, or an optimizer already built over ``model``'s parameters;
+    ``dist.shard=optimizer`` builds the sharded one from its class and groups). ``model``: with
+    ``dist.shard=full`` the model from ``shard_model`` (Trainer.build_model). ``per_rank``: this
+    process's batch. ``post_step``: run after each optimizer step (captured with it).
+    ``loss_fn(outputs, targets)``: the task's mean loss (default: cross-entropy with
+    train.label_smoothing). A collective (GradSync and Replicas start from rank 0's weights):
+    every rank must call it."""
+    t, shard = cfg.train, cfg.dist.shard
+    spec = optimizer if isinstance(optimizer, OptimizerSpec) else None
     dtype = autocast_dtype(t.precision, ctx.device)
     scaler = torch.amp.GradScaler(ctx.device.type) if dtype is torch.float16 else None
-    update = OptimizerStep(optimizer, scaler=scaler, clip_grad_norm=t.clip_grad_norm)
     if loss_fn is None:
         loss_fn = functools.partial(cross_entropy, label_smoothing=t.label_smoothing)
     if cfg.dist.mode == "fallback":
@@ -180,21 +188,39 @@ def build_step(
             replicas.check_batch(per_rank, t.grad_accum)
         except ValueError as e:
             raise ConfigError([f"train.batch_size={t.batch_size} with dist.mode=fallback: {e}"]) from e
-        return ReplicasStep(replicas, optimizer, loss_fn, update=update, autocast_dtype=dtype, grad_accum=t.grad_accum,
+        opt = spec.build() if spec is not None else optimizer
+        update = OptimizerStep(opt, scaler=scaler, clip_grad_norm=t.clip_grad_norm)
+        return ReplicasStep(replicas, opt, loss_fn, update=update, autocast_dtype=dtype, grad_accum=t.grad_accum,
                             post_step=post_step)  # fmt: skip
 
-    # broadcast_buffers=False: the runner averages the BatchNorm statistics over the ranks with
-    # sync_buffers() before each evaluation instead (every rank's data counts), so the per-forward
-    # broadcast of rank 0's buffers would only cost a collective per step
-    sync = distlib.GradSync(model, bucket_mb=cfg.dist.bucket_mb, compress=cfg.dist.compress,
-                            comm_groups=cfg.dist.comm_groups, broadcast_buffers=False)  # fmt: skip
-    autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None)
-    # compiled at the first step (the warm-up, on a GPU), one graph per bucket so the all_reduces overlap
-    net = distlib.compile_for_sync(model, sync) if t.compile else model
+    if shard == "full":
+        sync = distlib.FSDPSync(model)
+        # FSDP2's mixed precision (shard_model's param_dtype) replaces autocast: the weights are
+        # gathered in bf16 and every layer computes in it; the loss is taken in fp32
+        autocast = contextlib.nullcontext()
+        net = model
+    else:
+        # broadcast_buffers=False: the runner averages the BatchNorm statistics over the ranks with
+        # sync_buffers() before each evaluation instead (every rank's data counts), so the per-forward
+        # broadcast of rank 0's buffers would only cost a collective per step
+        sync = distlib.GradSync(model, bucket_mb=cfg.dist.bucket_mb, compress=cfg.dist.compress,
+                                comm_groups=cfg.dist.comm_groups, shard=shard, broadcast_buffers=False)  # fmt: skip
+        autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None)
+        # compiled at the first step (the warm-up, on a GPU), one graph per bucket so the all_reduces overlap
+        net = distlib.compile_for_sync(model, sync) if t.compile else model
+    if shard == "optimizer":
+        spec = spec or OptimizerSpec.of(optimizer)
+        opt = sync.sharded_optimizer(spec.cls, spec.groups, **spec.kwargs)
+    else:
+        opt = spec.build() if spec is not None else optimizer
+    update = OptimizerStep(opt, scaler=scaler, clip_grad_norm=t.clip_grad_norm, clip_fn=sync.clip_grad_norm_)
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast:
-            return loss_fn(net(x), y)
+            out = net(x)
+            if shard == "full" and out.dtype == torch.bfloat16:
+                out = out.float()  # as autocast would: the loss's softmax and log in fp32
+            return loss_fn(out, y)
 
-    return GradSyncStep(model, optimizer, sync, loss_of, update=update, grad_accum=t.grad_accum,
+    return GradSyncStep(model, opt, sync, loss_of, update=update, grad_accum=t.grad_accum,
                         cuda_graph=t.cuda_graph, post_step=post_step)  # fmt: skip

@@ -11,8 +11,10 @@ What it trains for (data, loss, evaluation, metrics) is the ``Task``'s business
 (runner/tasks.py): image classification or causal language modelling, chosen by ``build_task``.
 Where the run stands (epochs done, steps into the next, its clocks, this rank's loss sum)
 is a ``TrainState``, saved in every checkpoint, so a resumed run continues bit for bit.
-How gradients are synced is the ``TrainStep``'s business (runner/step.py): nothing here
-depends on ``dist.mode``.
+How gradients are synced is the ``TrainStep``'s business (runner/step.py), and the checkpoint
+format the ``RunCheckpoints``' (runner/checkpoints.py): nothing here depends on ``dist.mode``, and
+``dist.shard`` only where the model is made (``build_model``) and where a fully sharded model
+must run its forward passes on every rank (``finish_task``).
 """
 
 from __future__ import annotations
@@ -27,14 +29,15 @@ from typing import Any
 import torch
 
 import distlib
-from distlib.checkpoint import Checkpointer, fingerprint
+from distlib.checkpoint import fingerprint
 from distlib.failures import abort, describe
 from distlib.process_group import Context
 from distlib.runner import components
+from distlib.runner.checkpoints import build_checkpoints
 from distlib.runner.config import Config, ConfigError, dump_yaml
 from distlib.runner.environment import bytecode_hint, environment_json
 from distlib.runner.models import count_params, param_groups
-from distlib.runner.optimizer_step import autocast_dtype
+from distlib.runner.optimizer_step import OptimizerSpec, autocast_dtype
 from distlib.runner.plots import CurvePlot
 from distlib.runner.profiling import StepProfiler
 from distlib.runner.progress import TrainingProgress
@@ -134,15 +137,15 @@ class Trainer:
         self.loader = self.task.loader
         torch.manual_seed(t.seed)  # after the data: a first decode draws from the global generator
         self.model = model = self.build_model()
-        self.optimizer = self.build_optimizer(model)
         # weight averaging: evaluate an EMA of the weights (and BN buffers) when train.ema > 0; the
         # step updates it after the optimizer, inside the CUDA graph when there is one
-        self.ema = distlib.EMA(model, ema_decay(t.ema, 0)) if t.ema > 0 else None
-        self.step_fn = build_step(cfg, ctx, model, self.optimizer, self.per_rank,
-                                  post_step=self.ema.update if self.ema is not None else None,
+        self.ema: distlib.EMA | None = None
+        self.step_fn = build_step(cfg, ctx, model, self.build_optimizer(model), self.per_rank,
+                                  post_step=(lambda: self.ema.update()) if t.ema > 0 else None,
                                   loss_fn=self.task.loss_fn())  # fmt: skip
-        if self.ema is not None:
-            self.ema.module.load_state_dict(model.state_dict())  # start from the weights the step broadcast
+        self.optimizer = self.step_fn.optimizer  # built by the step: sharded with dist.shard=optimizer
+        if t.ema > 0:  # the weights the step broadcast, where the optimizer keeps them
+            self.ema = distlib.EMA(model, ema_decay(t.ema, 0))
             self.step_fn.modules.append(self.ema.module)  # the warm-up puts the average back too
         self.timeline.mark("model")  # model, optimizer, gradient sync, graph set-up
         self.scheduler = warmup_linear(self.optimizer, t.epochs * len(self.loader), t.warmup_frac, t.schedule,
@@ -167,28 +170,40 @@ class Trainer:
 
     def build_model(self) -> torch.nn.Module:
         """The model of model.name with model.args (and what the task provides, when it takes
-        it), on this rank's device: the one place a model is made (a sharded model would be
-        built here on the meta device)."""
-        cfg = self.cfg
-        model = components.build("model", cfg.model.name, cfg.model.args, provided=self.task.model_inputs())
-        if not isinstance(model, torch.nn.Module):
-            raise ConfigError([f"model.name={cfg.model.name!r} returned {type(model).__name__}, not a torch.nn.Module"])
-        model = model.to(self.ctx.device)
+        it), on this rank's device: the one place a model is made. With dist.shard=full it is
+        built on the meta device and each rank materialises only its shards (``shard_model``:
+        FSDP2 per entry of the model's ``blocks``, then the root; bf16 weights in the layers
+        with train.precision=bf16 on a GPU, gradients reduced in fp32)."""
+        cfg, device = self.cfg, self.ctx.device
+
+        def build() -> torch.nn.Module:
+            model = components.build("model", cfg.model.name, cfg.model.args, provided=self.task.model_inputs())
+            if not isinstance(model, torch.nn.Module):
+                raise ConfigError([f"model.name={cfg.model.name!r} returned {type(model).__name__}, "
+                                   "not a torch.nn.Module"])  # fmt: skip
+            return model
+
+        if cfg.dist.shard == "full":
+            dtype = autocast_dtype(cfg.train.precision, device)  # bf16 on a GPU, None (fp32) on the CPU
+            return distlib.shard_model(build, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
+                                       device=device, seed=cfg.train.seed)  # fmt: skip
+        model = build().to(device)
         if cfg.model.channels_last:  # changes 4-D (convolution) weights only
             model = model.to(memory_format=torch.channels_last)
         return model
 
-    def build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        """train.optimizer over the model's parameters, weight decay on the matrices only."""
+    def build_optimizer(self, model: torch.nn.Module) -> OptimizerSpec:
+        """train.optimizer over the model's parameters, weight decay on the matrices only; the
+        step builds it (over this rank's slice with dist.shard=optimizer)."""
         t, cuda = self.cfg.train, self.ctx.device.type == "cuda"
         groups = param_groups(model, t.weight_decay)
         if t.optimizer == "adamw":
             # fused: one kernel for every parameter; capturable: its step counter stays on the
             # GPU, which a captured CUDA graph needs
-            return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True if cuda else None,
-                                     capturable=t.cuda_graph and cuda)  # fmt: skip
-        return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum, nesterov=t.nesterov,
-                               fused=True if t.cuda_graph and cuda else None)  # graphs need fused  # fmt: skip
+            return OptimizerSpec(torch.optim.AdamW, groups, dict(lr=t.lr, betas=(t.beta1, t.beta2),
+                                 fused=True if cuda else None, capturable=t.cuda_graph and cuda))  # fmt: skip
+        return OptimizerSpec(torch.optim.SGD, groups, dict(lr=t.lr, momentum=t.momentum, nesterov=t.nesterov,
+                             fused=True if t.cuda_graph and cuda else None))  # graphs need fused  # fmt: skip
 
     def warm_up(self) -> None:
         """cuDNN autotuning, lazy set-up and graph capture, outside the training clock; the
@@ -205,15 +220,16 @@ class Trainer:
         --max-restarts); after the warm-up, which resets the optimizer state: the state is
         copied into its tensors."""
         cfg = self.cfg
-        self.checkpointer = Checkpointer(os.path.join(self.run.path, "checkpoints"), keep=cfg.run.keep_checkpoints,
-                                         is_main=self.ctx.is_main)  # fmt: skip
         self.objects = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
                         **({"ema": self.ema} if self.ema is not None else {}), "train_state": self.state}  # fmt: skip
         if self.step_fn.update.scaler is not None:  # fp16: a resumed run carries on with the same loss scale
             self.objects["scaler"] = self.step_fn.update.scaler
-        self.fingerprint = fingerprint(self.model, steps_per_epoch=len(self.loader), **resume_settings(cfg))
-        self.checkpointer.resume(self.objects, fingerprint=self.fingerprint, enabled=cfg.run.resume,
-                                 epochs=cfg.train.epochs)  # fmt: skip
+        self.checkpoints = build_checkpoints(
+            os.path.join(self.run.path, "checkpoints"), self.objects, shard=cfg.dist.shard,
+            fingerprint=fingerprint(self.model, steps_per_epoch=len(self.loader), **resume_settings(cfg)),
+            keep=cfg.run.keep_checkpoints, is_main=self.ctx.is_main,
+        )  # fmt: skip
+        self.checkpoints.resume(enabled=cfg.run.resume, epochs=cfg.train.epochs)
         self.loader.set_epoch(self.state.epoch)
         self.run.start_metrics(self.state.epoch)
         self.curves = CurvePlot(os.path.join(self.run.path, "curves.png"), self.run.read_metrics(),
@@ -270,7 +286,7 @@ class Trainer:
                 if self.ctx.is_main:
                     self.log.warning("stopped by %s at epoch %d step %d; checkpoint saved in %s: run the same "
                                      "command to continue", self.stop.name, epoch, s.step,
-                                     self.checkpointer.directory)  # fmt: skip
+                                     self.checkpoints.directory)  # fmt: skip
                 return False
             self.train_step(x, y)
         if device.type == "cuda":
@@ -330,10 +346,12 @@ class Trainer:
     def finish_task(self) -> None:
         """What the task shows once training is done (a generated sample), on the main rank: in
         the log, summary.json and TensorBoard."""
-        if not self.ctx.is_main:
+        if not self.ctx.is_main and self.cfg.dist.shard != "full":
             return
         model = self.ema.module if self.ema is not None else self.model
-        extra = self.task.finish(model, self.autocast)
+        extra = self.task.finish(model, self.autocast)  # sharded: every rank runs the forward passes
+        if not self.ctx.is_main:
+            return
         if extra.get("sample"):
             self.log.info("sample from the final model:\n%s", extra["sample"])
             self.tensorboard.add_text("sample", extra["sample"], step=self.state.epoch * len(self.loader))
@@ -345,8 +363,7 @@ class Trainer:
         """A checkpoint of the models, optimizer, schedule and ``state`` (a collective)."""
         s = self.state
         s.elapsed_s = time.perf_counter() - self._t_start
-        self.checkpointer.save(self.objects, epoch=s.epoch, step=s.step, fingerprint=self.fingerprint,
-                               global_step=s.epoch * len(self.loader) + s.step)  # fmt: skip
+        self.checkpoints.save(epoch=s.epoch, step=s.step, global_step=s.epoch * len(self.loader) + s.step)
 
     # ---- teardown ------------------------------------------------------------------------
 

@@ -37,7 +37,9 @@ def warm_up(step: Callable[[], object], modules: list[nn.Module], optimizer: tor
     with torch.no_grad():
         for t, s in saved:
             t.copy_(s)
-        for state in optimizer.state.values():
+        inner = getattr(optimizer, "inner", None)  # a ShardedOptimizer's state is its inner optimizer's
+        states = [*optimizer.state.values(), *(inner.state.values() if inner is not None else [])]
+        for state in states:
             for v in state.values():
                 if torch.is_tensor(v):
                     v.zero_()

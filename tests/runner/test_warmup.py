@@ -70,3 +70,38 @@ def test_every_module_given_is_put_back_the_weight_average_too():
     for name in model_a:
         assert torch.equal(model_a[name], model_b[name]), name
         assert torch.equal(ema_a[name], ema_b[name]), f"the average's {name}"
+
+
+def _sharded(ctx):
+    """A model, GradSync(shard="optimizer") and its AdamW (the optimizer state lives in the inner optimizer)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    sync = distlib.GradSync(model, shard="optimizer")
+    opt = sync.sharded_optimizer(torch.optim.AdamW, model.parameters(), lr=0.01)
+
+    def step(x, y):
+        nn.functional.cross_entropy(model(x), y).backward()
+        sync.wait()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return model, opt, step
+
+
+def test_warm_up_resets_a_sharded_optimizers_state():
+    """AdamW's moments and step counter of a ShardedOptimizer are its inner optimizer's: the warm-up
+    zeroes them too, so the training after it is the training without it."""
+    ctx = distlib.init("gloo")
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g)) for _ in range(3)]
+    model_a, _, step_a = _sharded(ctx)
+    for x, y in batches:
+        step_a(x, y)
+    model_b, opt_b, step_b = _sharded(ctx)
+    junk = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    warm_up(lambda: step_b(*junk), [model_b], opt_b, steps=3)
+    for x, y in batches:
+        step_b(x, y)
+    for (name, a), b in zip(model_a.state_dict().items(), model_b.state_dict().values()):
+        assert torch.equal(a, b), name
+    distlib.shutdown()

@@ -1,0 +1,295 @@
+"""dist.shard in the runner: the GPT demo trains to the same losses replicated, with optimizer
+sharding and with full sharding (from the same initial weights), at one and two gloo ranks; a
+sharded run stopped mid-epoch resumes exactly at the same and at another world size (its step
+position, data order and each rank's loss sum included); a checkpoint of one dist.shard is not
+taken for another's; the combinations that cannot work are ConfigErrors naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+
+import distlib
+from distlib.checkpoint import CheckpointError
+from distlib.runner.config import ConfigError, load_config
+from distlib.runner.trainer import Trainer
+from tests.conftest import ROOT, run_ranks
+from tests.runner.test_e2e import launch
+from tests.runner.test_trainer import TORCHRUN_VARS, built, metrics
+
+DEMO = os.path.join(ROOT, "recipes", "gpt_demo.yaml")
+SHAKESPEARE = os.path.join(ROOT, "recipes", "gpt_shakespeare.yaml")
+# 2 epochs of 8 steps of 8 sequences of 64 bytes; a one-block GPT 32 wide
+TINY = ["train.epochs=2", "data.train_subset=64", "model.args.n_layer=1", "model.args.n_embd=32",
+        "model.args.n_head=2", "train.batch_size=8", "train.warmup_frac=0.25", "train.sample_tokens=0",
+        "run.progress=plain", "run.checkpoint_every=1"]  # fmt: skip
+STEPS = 16
+
+
+@pytest.fixture
+def world_size_1(monkeypatch):
+    for key in TORCHRUN_VARS:
+        monkeypatch.delenv(key, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---- the combinations that cannot work, refused when the recipe is loaded ----------------------
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        (["dist.shard=optimizer", "dist.mode=fallback"], ["dist.shard=optimizer", "dist.mode=process_per_gpu"]),
+        (["dist.shard=full", "dist.mode=fallback"], ["dist.shard=full", "dist.mode=process_per_gpu"]),
+        (["dist.shard=optimizer", "train.precision=fp16"], ["train.precision=fp16", "train.precision=bf16"]),
+        (["dist.shard=full", "train.cuda_graph=true"], ["no CUDA-graph support", "train.cuda_graph=false"]),
+        (["dist.shard=full", "train.compile=true"], ["dist.shard=full", "train.compile=false"]),
+        (["dist.shard=full", "train.ema=0.9"], ["train.ema", "train.ema=0"]),
+        (["dist.shard=full", "dist.compress=bf16"], ["dist.compress=bf16", "dist.compress=none"]),
+        (["dist.shard=zero3"], ["dist.shard", "'optimizer'"]),
+    ],
+)
+def test_a_sharding_that_cannot_work_is_a_config_error_naming_the_key_and_the_fix(overrides, names):
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, overrides)
+    assert len(e.value.problems) == 1, e.value.problems
+    for name in names:
+        assert name in e.value.problems[0], e.value.problems[0]
+
+
+@pytest.mark.parametrize("recipe", ["gpt_demo", "gpt_shakespeare", "demo", "cifar"])
+@pytest.mark.parametrize("shard", ["none", "optimizer", "full"])
+def test_every_recipe_takes_every_shard_mode(recipe, shard):
+    """With the overrides an error asks for (the Shakespeare GPT compiles and the CIFAR recipes
+    capture their step: full sharding needs train.compile=false and train.cuda_graph=false);
+    optimizer sharding runs inside the CUDA-graph step."""
+    extra = ["train.compile=false", "train.cuda_graph=false"] if shard == "full" else ["train.cuda_graph=true"]
+    cfg = load_config(os.path.join(ROOT, "recipes", f"{recipe}.yaml"), [f"dist.shard={shard}", *extra])
+    assert cfg.dist.shard == shard
+
+
+def test_the_gpt_recipes_say_their_shard_mode():
+    for recipe in (DEMO, SHAKESPEARE):
+        with open(recipe) as f:
+            assert "  shard: none  #" in f.read(), recipe
+
+
+# ---- the same losses in every mode -------------------------------------------------------------
+def _losses(ctx, shard: str, out_dir: str, start: dict | None, *extra: str) -> tuple[list[float], dict, list[dict]]:
+    """This rank's loss at every step of the tiny GPT demo with ``dist.shard=shard``, the initial
+    weights (``start``: given ones, loaded into the model first) and the metrics rows."""
+    # a sample from the final model too: with full sharding every rank runs its forward passes
+    cfg = load_config(DEMO, [*TINY, f"dist.shard={shard}", f"run.out_dir={out_dir}", "train.sample_tokens=4", *extra])
+    losses = []
+    with built(cfg, ctx) as trainer:
+        if start is not None:
+            _load_whole(trainer.model, start)
+        initial = _whole(trainer.model)
+        trainer.step_fn = Recorded(trainer.step_fn, losses)
+        assert trainer.fit() == 0
+    if ctx.is_main:
+        with open(os.path.join(out_dir, "summary.json")) as f:
+            assert len(json.load(f)["sample"]) > 32
+    return losses, initial, metrics(out_dir) if ctx.is_main else []
+
+
+class Recorded:
+    """The trainer's step, recording this rank's loss at every step."""
+
+    def __init__(self, step, losses: list[float]):
+        self.step, self.losses = step, losses
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.step(x, y)
+        self.losses.append(loss.item())
+        return loss
+
+    def __getattr__(self, name: str):
+        return getattr(self.step, name)
+
+
+def _whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight whole (a sharded model's DTensors gathered), on the CPU."""
+    out = {}
+    for k, v in model.state_dict().items():
+        v = v.full_tensor() if hasattr(v, "full_tensor") else v
+        out[k] = v.detach().cpu().clone()
+    return out
+
+
+def _load_whole(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Whole weights into a model, into this rank's shards when it is sharded."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    copy = {k: v.clone() for k, v in state.items()}  # torch's helper puts the shards into the dict it gets
+    set_model_state_dict(model, copy, options=StateDictOptions(full_state_dict=True))
+
+
+def _run(world_size: int, shard: str, out_dir: str, start: dict | None = None, *extra: str) -> list:
+    if world_size == 1:
+        return [_losses(distlib.init("gloo"), shard, out_dir, start, *extra)]
+    return run_ranks(_losses, world_size, shard, out_dir, start, *extra, timeout=180)
+
+
+SGD = ["train.optimizer=sgd", "train.lr=0.3", "train.momentum=0.9"]  # Nesterov, weight decay on the matrices
+
+
+@pytest.mark.parametrize(("world_size", "optimizer"), [(1, []), (2, []), (2, SGD)], ids=["1-adamw", "2-adamw", "2-sgd"])
+def test_sharded_training_has_the_losses_of_replicated_training(tmp_path, world_size, optimizer, world_size_1):
+    """Each rank's loss at each of the 16 steps, and the epochs' rows, equal in the three modes,
+    with AdamW and with SGD (Nesterov momentum; both with weight decay on the matrices only, the
+    global norm clipped to 1) (full sharding from the replicated run's initial weights: its own initialisation draws
+    differently on the CPU). Tolerance: 1e-5 relative; the modes sum the same gradients in other
+    orders (reduce-scatter, FSDP2's padded shards), which moves the losses by a few 1e-7."""
+    ref = _run(world_size, "none", str(tmp_path / "none"), None, *optimizer)
+    start = ref[0][1]
+    for shard in ("optimizer", "full"):
+        got = _run(world_size, shard, str(tmp_path / shard), start if shard == "full" else None, *optimizer)
+        for r in range(world_size):
+            assert len(got[r][0]) == STEPS
+            assert got[r][0] == pytest.approx(ref[r][0], rel=1e-5), (shard, r)
+            for k, w in ref[r][1].items():
+                torch.testing.assert_close(got[r][1][k], w, rtol=0, atol=0, msg=f"{shard}: initial {k}")
+        rows, want = got[0][2], ref[0][2]
+        assert [row["train_loss"] for row in rows] == pytest.approx([row["train_loss"] for row in want], rel=1e-5)
+        assert [row["val_loss"] for row in rows] == pytest.approx([row["val_loss"] for row in want], rel=1e-5)
+        assert all(row["world_size"] == world_size for row in rows)
+    assert ref[0][0][-1] < ref[0][0][0] - 0.3  # it learns
+
+
+# ---- stopped and resumed: at the same and at another world size ---------------------------------
+STOP_AFTER = 11  # epoch 2, step 3
+
+
+def _stopped(ctx, shard: str, out_dir: str) -> int:
+    """The run, stopped by SIGTERM after STOP_AFTER steps (a checkpoint of that step is saved)."""
+    cfg = load_config(DEMO, [*TINY, f"dist.shard={shard}", f"run.out_dir={out_dir}"])
+    step, steps = Trainer.train_step, []
+
+    def signalled(self, x, y):
+        step(self, x, y)
+        steps.append(1)
+        if len(steps) == STOP_AFTER:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    Trainer.train_step = signalled
+    try:
+        with built(cfg, ctx) as trainer:
+            return trainer.fit()
+    finally:
+        Trainer.train_step = step
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "full"])
+def test_a_sharded_run_stopped_mid_epoch_resumes_exactly_at_the_same_and_another_world_size(
+    tmp_path, shard, world_size_1
+):
+    """The losses after the resume equal the uninterrupted run's (at one rank: the mean of the two
+    ranks' losses, the loss of the whole global batch), and so does the epoch's training loss,
+    which sums each rank's losses from before the stop (kept per rank in the checkpoint)."""
+    ref = run_ranks(_losses, 2, shard, str(tmp_path / "ref"), None, timeout=180)
+    out = tmp_path / "out"
+    assert run_ranks(_stopped, 2, shard, str(out), timeout=180) == [128 + signal.SIGTERM] * 2
+    saved = sorted(os.listdir(out / "checkpoints"))
+    assert saved[0] == "step000000008" and len(saved) == 2  # epoch 1's, and the stop's
+    stop = int(saved[1].removeprefix("step"))  # every rank stops at the same step, the signal's or the next
+    assert STOP_AFTER <= stop < 16
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+
+    same = run_ranks(_losses, 2, shard, str(out), None, timeout=180)  # 2 -> 2
+    for r in range(2):
+        assert same[r][0] == pytest.approx(ref[r][0][stop:], rel=1e-6), r
+    assert [row["train_loss"] for row in same[0][2]] == pytest.approx([row["train_loss"] for row in ref[0][2]],
+                                                                      rel=1e-6)  # fmt: skip
+
+    one = _run(1, shard, str(again))  # 2 -> 1
+    mean = [(a + b) / 2 for a, b in zip(ref[0][0], ref[1][0])]
+    assert one[0][0] == pytest.approx(mean[stop:], rel=1e-5)
+    rows = one[0][2]
+    assert [row["train_loss"] for row in rows] == pytest.approx([row["train_loss"] for row in ref[0][2]], rel=1e-5)
+    assert [row["val_loss"] for row in rows] == pytest.approx([row["val_loss"] for row in ref[0][2]], rel=1e-5)
+    assert rows[-1]["world_size"] == 1
+
+
+# ---- a checkpoint is resumed by the dist.shard that saved it ---------------------------------------
+def _train(out_dir, *overrides: str) -> None:
+    cfg = load_config(DEMO, [*TINY, "train.epochs=1", f"run.out_dir={out_dir}", *overrides])
+    with built(cfg, distlib.init("gloo")) as trainer:
+        assert trainer.fit() == 0
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed", "says"),
+    [
+        ("none", "optimizer", "replicated (dist.shard=none)"),
+        ("optimizer", "none", "sharded (dist.shard=optimizer or full)"),
+        ("optimizer", "full", "dist.shard: checkpoint has 'optimizer', this run has 'full'"),
+    ],
+)
+def test_a_checkpoint_is_resumed_only_with_the_dist_shard_that_saved_it(tmp_path, world_size_1, saved, resumed,
+                                                                        says):  # fmt: skip
+    _train(tmp_path, f"dist.shard={saved}")
+    with pytest.raises(CheckpointError, match="run.resume=false|another run.out_dir") as e:
+        _train(tmp_path, f"dist.shard={resumed}")
+    assert says in str(e.value)
+    _train(tmp_path, f"dist.shard={resumed}", "run.resume=false")  # deletes them and trains afresh
+    assert len(os.listdir(tmp_path / "checkpoints")) == 1
+
+
+# ---- GPUs ----------------------------------------------------------------------------------------------
+@pytest.mark.gpus(1)
+@pytest.mark.slow
+@pytest.mark.parametrize("shard", ["none", "optimizer", "full"])
+def test_the_gpt_demo_trains_on_one_gpu_in_each_shard_mode(tmp_path, shard):
+    """World size 1 on a GPU is the same code path (a one-rank NCCL group for full sharding)."""
+    out = tmp_path / shard
+    launch([DEMO, f"run.out_dir={out}", "run.progress=plain", "train.precision=bf16", "train.epochs=2",
+            f"dist.shard={shard}"], nproc=1, timeout=400)  # fmt: skip
+    rows = metrics(out)
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"] and rows[0]["val_loss"] < 3.5, rows
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("shard", "overrides"),
+    [
+        ("none", []),
+        ("optimizer", []),
+        ("optimizer", ["train.cuda_graph=true"]),
+        ("optimizer", ["train.compile=true"]),
+        ("full", []),
+    ],
+    ids=["none", "optimizer", "optimizer-cuda_graph", "optimizer-compiled", "full"],
+)
+def test_the_gpt_demo_trains_on_two_gpus_in_each_shard_mode(tmp_path, shard, overrides):
+    """bf16 (autocast; FSDP2's bf16 weights with fp32 reduce-scatters for full sharding), fused
+    AdamW (capturable inside the captured sharded step), compile_for_sync with the sharded
+    optimizer; the loss falls alike in every mode, and the last epoch, trained again at one GPU from
+    the checkpoint before it (2 -> 1), ends at the same validation loss within bf16's noise."""
+    out = tmp_path / "gpt"
+    args = [DEMO, f"run.out_dir={out}", "run.progress=plain", "train.precision=bf16", f"dist.shard={shard}",
+            "run.checkpoint_every=1", *overrides]  # fmt: skip
+    launch(args, nproc=2, timeout=400)
+    rows = metrics(out)
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.15 and rows[0]["val_loss"] < 3.0, rows
+    assert all(len(row["peak_mem_gib"]) == 2 for row in rows)
+    # the last checkpoint's epoch trained again at one GPU from the one before: 2 -> 1
+    ckpts = sorted(os.listdir(out / "checkpoints"))
+    last = out / "checkpoints" / ckpts[-1]
+    if last.is_dir():  # sharded: a directory of every rank's files
+        shutil.rmtree(last)
+    else:
+        last.unlink()
+    launch(args, nproc=1, timeout=400)
+    again = metrics(out)
+    assert again[-1]["world_size"] == 1
+    assert again[-1]["val_loss"] == pytest.approx(rows[-1]["val_loss"], abs=0.05), (rows, again)
