@@ -4,6 +4,7 @@
 #   bash bench/run.sh SUITE...          (from the repository root; bash bench/run.sh --help)
 #
 # Suites (the figure of BENCHMARKS.md each one produces):
+#   tests        the GPU test suite, pytest -m gpu, one test at a time (each takes every GPU)
 #   step         ResNet18-CIFAR training step, every mode of bench/step.py, with the baselines
 #                bench/baselines/rn18_throughput.py on one GPU and with DDP      ("Training step")
 #   allreduce    all_reduce bus bandwidth, raw against GradSync's buckets on 1, 2 and 4 communicators,
@@ -16,6 +17,10 @@
 #   sharding     bench/gpt_step.py at each of SHARD_SIZES (default "1.5B 6.7B 10B 13B"): DDP,
 #                ZeroRedundancyOptimizer, FSDP2 (eager and compiled blocks) and distlib, unsharded and
 #                sharded; OOM where a mode cannot hold the model                 ("Sharded training")
+#   buffers      the step with and without GradSync's broadcast_buffers (DDP's default; the step's
+#                BatchNorm buffers broadcast from rank 0 before each forward)      ("Training step")
+#   compile_startup  the first compiled step and the whole command, compile_for_sync against
+#                DDP + torch.compile, cold and warm inductor cache (bench/compile_startup.py)
 #   checkpoint   how long a sharded checkpoint's save blocks training, synchronous against asynchronous:
 #                bench/checkpoint_stall.py on one GPU (4 GB of parameters + AdamW) and FSDP2 over
 #                every GPU                                                         ("Sharded checkpoints")
@@ -76,6 +81,18 @@ show() {  # show NAME [LINES]: the end of NAME's log, where each command prints 
 
 for suite in "$@"; do
     case $suite in
+    tests)
+        run tests $PY -m pytest -p no:cacheprovider -q -m gpu
+        ;;
+    buffers)
+        for b in broadcast-buffers no-broadcast-buffers; do
+            run "step_$b" $TORCHRUN -m bench.step step --modes distlib-eager,distlib-graph,distlib-compile-graph \
+                "--$b" --json "$OUT/step_$b.json"
+        done
+        ;;
+    compile_startup)
+        run compile_startup $PY bench/compile_startup.py --nproc "$NPROC" --modes distlib,ddp,plain --compile-times
+        ;;
     step)
         run step $TORCHRUN -m bench.step step --json "$OUT/step.json"
         run step_baseline_single env MODE=single BATCH=512 $PY bench/baselines/rn18_throughput.py
@@ -143,7 +160,8 @@ for suite in "$@"; do
 done
 
 # each command's own table, then the status of every command
-for name in step allreduce fallback cifar shakespeare checkpoint_single checkpoint_fsdp; do show $name 30; done
+for name in tests step step_broadcast-buffers step_no-broadcast-buffers compile_startup allreduce fallback cifar \
+    shakespeare checkpoint_single checkpoint_fsdp; do show "$name" 30; done
 for log in "$OUT"/gpt_*.log "$OUT"/sharding_*.log; do
     case $log in *baseline*) ;; *) [ -f "$log" ] && show "$(basename "$log" .log)" 14 ;; esac
 done
