@@ -21,19 +21,9 @@ from distlib.runner.text_data import TokenLoader, eval_windows, load_byte_text
 from distlib.runner.throughput import mfu, peak_tflops
 from tests.conftest import ROOT
 from tests.runner.test_e2e import launch
-from tests.runner.test_trainer import TORCHRUN_VARS, built, metrics
+from tests.runner.test_trainer import built, metrics
 
 DEMO = os.path.join(ROOT, "recipes", "gpt_demo.yaml")
-
-
-@pytest.fixture
-def world_size_1(monkeypatch):
-    for key in TORCHRUN_VARS:
-        monkeypatch.delenv(key, raising=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_token_loader_gives_each_rank_its_own_windows_and_targets_shifted_by_one():

@@ -14,7 +14,6 @@ from distlib.runner.config import ConfigError, load_config
 from tests.conftest import ROOT, run_ranks
 
 EXAMPLE = os.path.join(ROOT, "examples", "own_model", "recipe.yaml")
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def problems(*overrides: str, recipe: str = EXAMPLE) -> list[str]:

@@ -19,10 +19,10 @@ from distlib.runner.data import load_image_set
 from distlib.runner.device_loader import DeviceLoader
 from distlib.runner.models import small_cnn
 from tests.conftest import ROOT, free_port, run_ranks
+from tests.runner.conftest import TORCHRUN_VARS
 
 DEMO = os.path.join(ROOT, "recipes", "demo.yaml")
 METRIC_KEYS = {"epoch", "train_loss", "test_acc", "images_per_s", "elapsed_s", "world_size"}
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(scope="module")

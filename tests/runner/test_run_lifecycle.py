@@ -16,12 +16,12 @@ import time
 import pytest
 
 from tests.conftest import ROOT
+from tests.runner.conftest import TORCHRUN_VARS
 
 RUN = [
     "recipes/demo.yaml", "train.epochs=2", "data.train_subset=2048", "model.width=8",
     "run.checkpoint_every=1", "dist.backend=gloo", "run.progress=plain",
 ]  # fmt: skip
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 pytestmark = pytest.mark.slow
 

@@ -6,22 +6,9 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-
 import distlib
 from distlib.runner.config import load_config
-from tests.runner.test_trainer import DEMO, TORCHRUN_VARS, built
-
-
-@pytest.fixture
-def world_size_1(monkeypatch):
-    for key in TORCHRUN_VARS:
-        monkeypatch.delenv(key, raising=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tests.runner.test_trainer import DEMO, built
 
 
 def test_keep_checkpoints_reaches_the_checkpointer(tmp_path, world_size_1):

@@ -21,7 +21,7 @@ from distlib.runner.config import ConfigError, load_config
 from distlib.runner.trainer import Trainer
 from tests.conftest import ROOT, run_ranks
 from tests.runner.test_e2e import launch
-from tests.runner.test_trainer import TORCHRUN_VARS, built, metrics
+from tests.runner.test_trainer import built, metrics
 
 DEMO = os.path.join(ROOT, "recipes", "gpt_demo.yaml")
 SHAKESPEARE = os.path.join(ROOT, "recipes", "gpt_shakespeare.yaml")
@@ -30,16 +30,6 @@ TINY = ["train.epochs=2", "data.train_subset=64", "model.args.n_layer=1", "model
         "model.args.n_head=2", "train.batch_size=8", "train.warmup_frac=0.25", "train.sample_tokens=0",
         "run.progress=plain", "run.checkpoint_every=1"]  # fmt: skip
 STEPS = 16
-
-
-@pytest.fixture
-def world_size_1(monkeypatch):
-    for key in TORCHRUN_VARS:
-        monkeypatch.delenv(key, raising=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ---- the combinations that cannot work, refused when the recipe is loaded ----------------------

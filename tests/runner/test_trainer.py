@@ -27,7 +27,6 @@ from distlib.runner.models import small_cnn
 from distlib.runner.trainer import Trainer
 from tests.conftest import ROOT, run_ranks
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SMALL = ["train.epochs=2", "data.train_subset=256", "model.width=4", "run.checkpoint_every=1", "run.progress=plain"]
 DEMO = os.path.join(ROOT, "recipes", "demo.yaml")
 
@@ -66,16 +65,6 @@ def train(out_dir: str, fit: bool = True) -> tuple[Trainer, list[str]]:
         trainer.progress.refresh_s = trainer.progress.plain_every_s = 0.0
         assert not fit or trainer.fit() == 0
     return trainer, trainer.progress.console.file.getvalue().splitlines()
-
-
-@pytest.fixture
-def world_size_1(monkeypatch):
-    for key in TORCHRUN_VARS:
-        monkeypatch.delenv(key, raising=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_a_resumed_run_shows_the_epochs_it_trains(tmp_path, world_size_1):
