@@ -1,0 +1,83 @@
+"""Sharding and loader options in the combinations the other tests leave at their defaults.
+
+Each case sets a value of an option that sends the code down another branch (another optimizer
+class, a checkpoint taken before the first step, DDP's ``sampler.set_epoch``), in a set-up where
+the right value and the plausible wrong one differ.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import distlib
+from distlib.grad_sync import GradSync
+
+TINY = {"bucket_mb": 3e-4, "first_bucket_mb": 1e-4}  # several buckets, parameters cut between them
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.LayerNorm(9), nn.Linear(9, 3))
+
+
+def _train(opt_cls, kw: dict, *, sharded: bool, state_dict_first: bool) -> list[torch.Tensor]:
+    model = _net()
+    sync = GradSync(model, shard="optimizer", **TINY) if sharded else None
+    if sync is None:
+        opt = opt_cls(model.parameters(), **kw)
+    else:
+        opt = sync.sharded_optimizer(opt_cls, model.parameters(), **kw)
+    if state_dict_first:
+        opt.state_dict()  # a checkpoint taken before the first step (it makes every piece's state)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        F.cross_entropy(model(x), y).backward()
+        if sync is not None:
+            sync.wait()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "opt_cls, kw",
+    [
+        (torch.optim.NAdam, {"lr": 0.05}),  # its running product must start at 1, not at the probe step's
+        (torch.optim.RAdam, {"lr": 0.05}),  # its rectification reads the step count
+        (torch.optim.Adamax, {"lr": 0.05}),
+        (torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.1}),
+        (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5, "centered": True}),
+    ],
+    ids=lambda v: v.__name__ if isinstance(v, type) else "",
+)
+def test_a_state_dict_before_the_first_step_leaves_every_elementwise_optimizer_fresh(opt_cls, kw):
+    """state_dict() before any step gives every piece a state (a zero-gradient step at lr 0 with its
+    counters reset): the training that follows is the plain optimizer's, for each optimizer class."""
+    ref = _train(opt_cls, kw, sharded=False, state_dict_first=False)
+    got = _train(opt_cls, kw, sharded=True, state_dict_first=True)
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+# ---- distributed_loader: DDP's sampler.set_epoch and the checkpoint -----------------------------
+
+
+def test_a_checkpoint_after_ddps_sampler_set_epoch_holds_that_epoch():
+    """DDP's idiom sets the epoch on the sampler alone: a checkpoint taken then holds that epoch (not
+    the loader's own count, which differs here), and the resumed loader reads that epoch's order."""
+    ds = TensorDataset(torch.arange(41))
+    loader = distlib.distributed_loader(ds, 3, num_replicas=2, rank=1)
+    for _ in range(2):
+        list(loader)  # two completed passes: the loader's own count is 2
+    loader.sampler.set_epoch(5)
+    saved = loader.state_dict()
+    assert saved == {"epoch": 5}
+    resumed = distlib.distributed_loader(ds, 3, num_replicas=2, rank=1)
+    resumed.load_state_dict(saved)
+    loader.sampler.set_epoch(5)
+    assert [int(i) for (b,) in resumed for i in b] == [int(i) for (b,) in loader for i in b]
