@@ -15,6 +15,7 @@ from torch.utils.data import TensorDataset
 
 import distlib
 from distlib.grad_sync import GradSync
+from tests.conftest import run_ranks
 
 TINY = {"bucket_mb": 3e-4, "first_bucket_mb": 1e-4}  # several buckets, parameters cut between them
 
@@ -81,3 +82,61 @@ def test_a_checkpoint_after_ddps_sampler_set_epoch_holds_that_epoch():
     resumed.load_state_dict(saved)
     loader.sampler.set_epoch(5)
     assert [int(i) for (b,) in resumed for i in b] == [int(i) for (b,) in loader for i in b]
+
+
+# ---- full sharding: clipping in other norms, the initialisation's seed --------------------------
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 3))
+
+
+def _fsdp_clip_and_seed(ctx) -> dict:
+    from distlib.fsdp import FSDPSync, shard_model
+
+    out: dict = {"norms": {}, "grads": {}}
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)  # the same on every rank
+    torch.manual_seed(0)
+    ref = _mlp()
+    for norm_type in (1.0, 3.0, float("inf")):
+        model = shard_model(_mlp_copy(ref), block_types=[nn.Linear], device="cpu")
+        sync = FSDPSync(model)
+        F.cross_entropy(model(x), y).backward()
+        sync.wait()
+        got = sync.clip_grad_norm_(0.05, norm_type=norm_type)
+        ref.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        want = nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=norm_type)
+        out["norms"][norm_type] = (float(got), float(want))
+        out["grads"][norm_type] = max(
+            (model.get_parameter(n).grad.full_tensor() - p.grad).abs().max().item() for n, p in ref.named_parameters()
+        )
+    weights = {}
+    for seed in (1, 2, 1):
+        m = shard_model(_mlp, block_types=[nn.Linear], device="cpu", seed=seed)
+        weights.setdefault(seed, []).append(torch.cat([p.full_tensor().flatten() for p in m.parameters()]))
+    out["same_seed_same"] = torch.equal(weights[1][0], weights[1][1])
+    out["other_seed_differs"] = not torch.equal(weights[1][0], weights[2][0])
+    return out
+
+
+def _mlp_copy(ref: nn.Module):
+    def build() -> nn.Module:
+        m = _mlp()
+        m.load_state_dict(ref.state_dict())
+        return m
+
+    return build()
+
+
+def test_full_sharding_clips_in_every_norm_and_follows_the_seed():
+    """FSDPSync.clip_grad_norm_ with norm_type 1, 3 and inf (a max over the ranks' shards, not a
+    sum) gives torch's total norm and clipped gradients of one process; shard_model's ``seed``
+    chooses the initial weights (the same seed the same weights, another seed others)."""
+    for res in run_ranks(_fsdp_clip_and_seed, 2, timeout=120):
+        for norm_type, (got, want) in res["norms"].items():
+            assert abs(got - want) <= 1e-5 * max(want, 1.0), (norm_type, got, want)
+            assert got > 0.05, "clipping must be active to be observed"
+        assert max(res["grads"].values()) <= 1e-6, res["grads"]
+        assert res["same_seed_same"] and res["other_seed_differs"], res
