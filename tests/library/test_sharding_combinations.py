@@ -7,6 +7,9 @@ the right value and the plausible wrong one differ.
 
 from __future__ import annotations
 
+import os
+import stat
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -140,3 +143,56 @@ def test_full_sharding_clips_in_every_norm_and_follows_the_seed():
             assert got > 0.05, "clipping must be active to be observed"
         assert max(res["grads"].values()) <= 1e-6, res["grads"]
         assert res["same_seed_same"] and res["other_seed_differs"], res
+
+
+# ---- sharded checkpoints: what reaches the disk, and a step saved again -------------------------
+
+
+def test_a_sharded_checkpoint_reaches_the_disk_before_its_name_and_the_name_before_save_returns(tmp_path, monkeypatch):
+    """A power cut must leave the previous checkpoint or the whole new one: the shards and the commit
+    marker are synced before the rename that commits them, the directory holding the new name
+    before save returns."""
+    from distlib.sharded_checkpoint import ShardedCheckpointer
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        kind = "fsync dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file"
+        events.append((kind, os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", os.path.basename(str(dst))))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    model = _net()
+    ShardedCheckpointer(str(tmp_path)).save(7, {"model": model})
+    commit = events.index(("rename", "step000000007"))
+    before, after = events[:commit], events[commit + 1 :]
+    assert ("fsync file", "commit.json.tmp") in before and ("rename", "commit.json") in before, events
+    assert before.index(("fsync file", "commit.json.tmp")) < before.index(("rename", "commit.json")), events
+    assert any(k == "fsync file" and n.endswith(".distcp") for k, n in before), ("shards not synced", events)
+    assert ("fsync dir", ".partial-step000000007") in before[before.index(("rename", "commit.json")) :], events
+    assert after == [("fsync dir", tmp_path.name)], events
+
+
+def test_a_step_saved_again_replaces_the_older_checkpoint_of_that_step(tmp_path):
+    """A run resumed from an older checkpoint saves steps it saved before: the new state replaces the
+    old one of that step (resume reads the new one)."""
+    from distlib.sharded_checkpoint import ShardedCheckpointer
+
+    model = _net()
+    ck = ShardedCheckpointer(str(tmp_path))
+    ck.save(1, {"model": model})
+    ck.save(2, {"model": model})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ck.save(2, {"model": model})  # again, after a resume from step 1
+    fresh = _net()
+    assert ShardedCheckpointer(str(tmp_path)).resume({"model": fresh}) == 2
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)
