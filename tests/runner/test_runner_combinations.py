@@ -9,10 +9,13 @@ import types
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from distlib.runner import components
+from distlib.runner.checkpoints import RankStates
 from distlib.runner.config import load_config
 from distlib.runner.tasks import Task, _dataset_loaders
+from tests.conftest import run_ranks
 
 OWN_DATA = ["data.name=examples.own_model.spirals:spirals", "data.args.n=120", "train.batch_size=8"]
 
@@ -64,3 +67,55 @@ def test_a_users_data_set_is_shuffled_by_train_seed():
     assert a == b
     c = _order(4)
     assert len(c) == len(a) and c != a  # full batches of the same data, in another order
+
+
+# ---- sharded runs: each rank's own values in the checkpoint ------------------------------------
+
+
+class _Counter:
+    """A RankStateful whose value differs on every rank (as the epoch's loss sum does)."""
+
+    def __init__(self, value: float):
+        self.value = torch.tensor(value)
+
+    def rank_state_dict(self) -> dict:
+        return {"sum": self.value.clone()}
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        self.value = state["sum"].clone()
+
+
+def _rank_states(ctx) -> dict:
+    def objects(bn: nn.Module, counter: _Counter) -> dict:
+        return {"model": bn, "loss": counter}
+
+    bn = nn.BatchNorm1d(3)
+    with torch.no_grad():
+        bn.running_mean.fill_(10.0 + ctx.rank)  # each rank's statistics follow its own batches
+    torch.manual_seed(100 + ctx.rank)
+    saved = RankStates(objects(bn, _Counter(1.0 + 2.0 * ctx.rank)))
+    saved.gather()
+    want_draw = torch.rand(3)  # what this rank's RNG gives next
+    state = saved.state_dict()
+    fresh_bn, counter = nn.BatchNorm1d(3), _Counter(-1.0)
+    torch.manual_seed(0)  # another state: the load must put this rank's back
+    RankStates(objects(fresh_bn, counter)).load_state_dict(state)
+    return {
+        "running_mean": fresh_bn.running_mean.tolist(),
+        "counter": float(counter.value),
+        "rng": torch.equal(torch.rand(3), want_draw),
+        "state": state,
+    }
+
+
+def test_each_rank_takes_back_its_own_values_and_another_world_size_their_mean():
+    """RankStates (the per-rank part of a sharded run's checkpoint): at the same world size each rank
+    gets back its own buffers, RNG state and RankStateful values (rank 1's differ from rank 0's);
+    at another world size a RankStateful gets the mean of the saved ones."""
+    res = run_ranks(_rank_states, 2)
+    for rank, r in enumerate(res):
+        assert r["running_mean"] == [10.0 + rank] * 3, (rank, r["running_mean"])
+        assert r["counter"] == 1.0 + 2.0 * rank and r["rng"], (rank, r)
+    counter = _Counter(-1.0)
+    RankStates({"model": nn.BatchNorm1d(3), "loss": counter}).load_state_dict(res[0]["state"])  # 2 -> 1
+    assert float(counter.value) == 2.0  # the mean of 1 and 3, not rank 0's
