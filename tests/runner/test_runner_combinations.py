@@ -119,3 +119,16 @@ def test_each_rank_takes_back_its_own_values_and_another_world_size_their_mean()
     counter = _Counter(-1.0)
     RankStates({"model": nn.BatchNorm1d(3), "loss": counter}).load_state_dict(res[0]["state"])  # 2 -> 1
     assert float(counter.value) == 2.0  # the mean of 1 and 3, not rank 0's
+
+
+# ---- MFU: a GPU's name picks its own peak ------------------------------------------------------
+
+
+def test_every_gpu_in_the_peak_table_gets_its_own_peak_not_one_its_name_contains(monkeypatch):
+    """Names contain one another (H200 and H20, GB200 and B200, L40S and L4): each GPU's name gives
+    its own row's peak, whatever the order of the table."""
+    from distlib.runner.throughput import PEAK_BF16_TFLOPS, peak_tflops
+
+    for part, tflops in PEAK_BF16_TFLOPS:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, part=part: f"NVIDIA {part}")
+        assert peak_tflops(torch.device("cuda", 0)) == tflops, part
