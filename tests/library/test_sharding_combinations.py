@@ -1,4 +1,5 @@
-"""Sharding and loader options in the combinations the other tests leave at their defaults.
+"""Library options (sharding, loaders, sharded checkpoints, capture checks) in the combinations the
+other tests leave at their defaults.
 
 Each case sets a value of an option that sends the code down another branch (another optimizer
 class, a checkpoint taken before the first step, DDP's ``sampler.set_epoch``), in a set-up where
@@ -196,3 +197,24 @@ def test_a_step_saved_again_replaces_the_older_checkpoint_of_that_step(tmp_path)
     assert ShardedCheckpointer(str(tmp_path)).resume({"model": fresh}) == 2
     for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=0, atol=0)
+
+
+# ---- CUDA-graph capture: every parameter group's settings ---------------------------------------
+
+
+def test_capture_problem_reads_every_parameter_group():
+    """A step is capturable only when every parameter group has the settings (the runner builds two
+    groups: with and without weight decay); a second group without them is named, the first alone
+    having them is not enough."""
+    from distlib.cuda_graph import capture_problem
+
+    cuda = torch.device("cuda", 0)  # only its type is read: the check runs on the CPU
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    for cls, ok, missing in (
+        (torch.optim.SGD, {"fused": True}, "fused=True"),
+        (torch.optim.AdamW, {"capturable": True}, "capturable=True"),
+    ):
+        both = cls([{"params": a.parameters(), **ok}, {"params": b.parameters(), **ok}], lr=0.1)
+        assert capture_problem(cuda, both) is None, cls
+        first_only = cls([{"params": a.parameters(), **ok}, {"params": b.parameters()}], lr=0.1)
+        assert missing in (capture_problem(cuda, first_only) or ""), cls
