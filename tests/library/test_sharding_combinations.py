@@ -218,3 +218,45 @@ def test_capture_problem_reads_every_parameter_group():
         assert capture_problem(cuda, both) is None, cls
         first_only = cls([{"params": a.parameters(), **ok}, {"params": b.parameters()}], lr=0.1)
         assert missing in (capture_problem(cuda, first_only) or ""), cls
+
+
+# ---- compile_for_sync: fullgraph on the bucket-splitting path -----------------------------------
+
+
+class _Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def _fullgraph(ctx) -> dict:
+    from distlib.compile import compile_for_sync
+
+    out = {}
+    for fullgraph in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _Broken()
+        sync = GradSync(model, bucket_mb=0.004, first_bucket_mb=0.001)
+        assert len(sync.buckets) > 1  # the split path, not plain torch.compile
+        net = compile_for_sync(model, sync, backend="eager", fullgraph=fullgraph)
+        try:
+            net(torch.randn(2, 16)).sum().backward()
+            sync.wait()
+            out[fullgraph] = "ran"
+        except Exception as e:  # dynamo's Unsupported: the graph break refused
+            out[fullgraph] = type(e).__name__
+        sync.close()
+    return out
+
+
+def test_compile_for_sync_passes_fullgraph_when_it_splits_at_the_buckets():
+    """``fullgraph=True`` means what it means for torch.compile on the path that splits the graph
+    at GradSync's buckets too: a model with a graph break is refused (and runs without it)."""
+    for r in run_ranks(_fullgraph, 2, timeout=180):
+        assert r[False] == "ran" and r[True] != "ran", r
