@@ -132,3 +132,29 @@ def test_every_gpu_in_the_peak_table_gets_its_own_peak_not_one_its_name_contains
     for part, tflops in PEAK_BF16_TFLOPS:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, part=part: f"NVIDIA {part}")
         assert peak_tflops(torch.device("cuda", 0)) == tflops, part
+
+
+# ---- the GPT model: what no loss curve shows ---------------------------------------------------
+
+
+def test_gpt_is_causal_and_its_embedding_scores_the_tokens():
+    """A position's logits read only the tokens up to it (a model that sees the next token learns
+    faster, and every loss test would pass); the token embedding is the output matrix, after a
+    meta-device build's ``to_empty()`` too."""
+    from distlib.runner.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)).eval()
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 32, (2, 16), generator=g)
+    later = idx.clone()
+    later[:, 9:] = (idx[:, 9:] + 1) % 32  # other tokens from position 9 on
+    a, b = model(idx), model(later)
+    torch.testing.assert_close(a[:, :9], b[:, :9], rtol=0, atol=0)
+    assert not torch.allclose(a[:, 9:], b[:, 9:])
+    assert model.lm_head.weight is model.wte.weight
+    with torch.device("meta"):
+        meta = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    meta.to_empty(device="cpu")
+    meta.tie_weights()
+    assert meta.lm_head.weight is meta.wte.weight
