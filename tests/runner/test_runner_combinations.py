@@ -158,3 +158,18 @@ def test_gpt_is_causal_and_its_embedding_scores_the_tokens():
     meta.to_empty(device="cpu")
     meta.tie_weights()
     assert meta.lm_head.weight is meta.wte.weight
+
+
+def test_model_args_of_the_gpt_recipe_reach_the_model():
+    """``model: {name: gpt, args: ...}``: every argument, each a value other than its default and
+    than the others, reaches the model (dropout and bias too, which no loss curve of the demo shows)."""
+    import dataclasses
+
+    from distlib.runner.models import gpt
+
+    args = {"vocab_size": 40, "block_size": 12, "n_layer": 3, "n_head": 2, "n_embd": 8, "dropout": 0.25, "bias": True}
+    model = gpt(**args)
+    assert dataclasses.asdict(model.cfg) == args
+    assert any(n.endswith("bias") for n, _ in model.named_parameters())
+    idx = torch.randint(0, 40, (2, 12))
+    assert not torch.equal(model.train()(idx), model(idx))  # dropout draws in training
