@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import types
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -173,3 +174,53 @@ def test_model_args_of_the_gpt_recipe_reach_the_model():
     assert any(n.endswith("bias") for n, _ in model.named_parameters())
     idx = torch.randint(0, 40, (2, 12))
     assert not torch.equal(model.train()(idx), model(idx))  # dropout draws in training
+
+
+# ---- the runner's step: shard x accumulation x clipping ----------------------------------------
+
+
+def _steps(ctx, shard: str) -> dict:
+    from distlib.runner.step import build_step
+
+    out = {}
+    for clip in (0.0, 0.05):  # without clipping, and clipping every step
+        cfg = load_config(None, [f"dist.shard={shard}", "train.grad_accum=2", f"train.clip_grad_norm={clip}",
+                                 "train.precision=fp32", "train.compile=false", "train.cuda_graph=false"])  # fmt: skip
+        for mode in ("reference", "step"):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 3))
+            opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+            step = build_step(cfg, ctx, model, opt, 8, loss_fn=F.cross_entropy) if mode == "step" else None
+            losses = []
+            g = torch.Generator().manual_seed(5)
+            for _ in range(3):
+                x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)  # the global batch
+                mine = slice(8 * ctx.rank, 8 * ctx.rank + 8)
+                if step is not None:
+                    losses.append(float(step(x[mine], y[mine])))
+                else:  # one process, the whole global batch at once
+                    with torch.no_grad():
+                        losses.append(float(F.cross_entropy(model(x[mine]), y[mine])))  # what this rank reports
+                    F.cross_entropy(model(x), y).backward()
+                    if clip:
+                        nn.utils.clip_grad_norm_(model.parameters(), clip)
+                    opt.step()
+                    opt.zero_grad()
+            out[(clip, mode)] = [p.detach().clone() for p in model.parameters()], losses
+            if step is not None:
+                step.close()
+    return out
+
+
+@pytest.mark.parametrize("shard", ["none", "optimizer"])
+def test_the_step_with_accumulation_and_clipping_is_one_whole_batch_step(shard):
+    """train.grad_accum=2, with and without train.clip_grad_norm, at two ranks, replicated and with
+    the optimizer sharded: each rank's step returns the loss of its whole part of the batch (the
+    mean of its micro-batches', not the last one's) and leaves the weights of one step over the
+    whole global batch, clipped by the global norm (not by a rank's slice of it)."""
+    for r in run_ranks(_steps, 2, shard):
+        for clip in (0.0, 0.05):
+            (want, want_losses), (got, got_losses) = r[(clip, "reference")], r[(clip, "step")]
+            assert got_losses == pytest.approx(want_losses, rel=1e-5), clip
+            for a, b in zip(want, got, strict=True):
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"clip {clip}")
