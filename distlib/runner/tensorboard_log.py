@@ -26,12 +26,14 @@ TAGS = {
 class TensorBoardLog:
     """``add(row, step)`` after each epoch; ``close()`` flushes. Does nothing unless ``enabled``."""
 
-    def __init__(self, log_dir: str, enabled: bool):
+    def __init__(self, log_dir: str, enabled: bool, purge_step: int | None = None):
+        """``purge_step``: the first step this run writes; TensorBoard drops the events an earlier run
+        wrote from there on (a resume from a checkpoint older than the last metrics row)."""
         self.writer = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=log_dir)
+            self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
 
     def add(self, row: dict[str, Any], step: int) -> None:
         if self.writer is None:

@@ -155,7 +155,6 @@ class Trainer:
         self.run = RunDir(cfg.run.out_dir, ctx.is_main)
         self.run.write_text("config.yaml", dump_yaml(cfg))
         self.run.write_text("environment.json", environment_json(ctx))  # a collective: every rank calls it
-        self.tensorboard = TensorBoardLog(self.run.path, enabled=cfg.run.tensorboard and ctx.is_main)
         self.log.info(
             "%s (%s): %d params, %d train / %d evaluation samples, global batch %d over %d rank(s), %d steps/epoch",
             cfg.model.name, self.task.name, count_params(model), self.task.train_size, self.task.eval_size,
@@ -232,6 +231,10 @@ class Trainer:
         self.checkpoints.resume(enabled=cfg.run.resume, epochs=cfg.train.epochs)
         self.loader.set_epoch(self.state.epoch)
         self.run.start_metrics(self.state.epoch)
+        # rows from here on are new (metrics.jsonl was trimmed to the checkpoint's epoch): TensorBoard
+        # drops what an earlier run wrote after that epoch's last step, or a resumed epoch would show twice
+        self.tensorboard = TensorBoardLog(self.run.path, enabled=cfg.run.tensorboard and self.ctx.is_main,
+                                          purge_step=self.state.epoch * len(self.loader) + 1)  # fmt: skip
         self.curves = CurvePlot(os.path.join(self.run.path, "curves.png"), self.run.read_metrics(),
                                 title=cfg.run.name, enabled=self.ctx.is_main)  # fmt: skip
 

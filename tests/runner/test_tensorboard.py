@@ -44,6 +44,33 @@ def test_event_files_hold_the_runs_metrics_written_by_rank_0_only(tmp_path):
     assert "sample/text_summary" in acc.Tags()["tensors"]  # the generated text (add_text)
 
 
+def _train_3_epochs(ctx, out_dir: str) -> None:
+    import launch
+
+    args = [DEMO, *SMALL, "train.epochs=3", "run.checkpoint_every=1", "run.keep_checkpoints=5", "train.sample_tokens=0"]
+    assert launch.main([*args, f"run.out_dir={out_dir}"]) == 0
+
+
+def test_a_resume_from_an_older_checkpoint_leaves_one_point_per_step(tmp_path):
+    """Resumed from epoch 2's checkpoint after epoch 3 was logged: epoch 3 is trained again, and
+    TensorBoard shows its new values once, not the old and the new at the same step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb"
+    run_ranks(_train_3_epochs, 1, str(out), timeout=180)
+    ckpts = sorted((out / "checkpoints").iterdir(), key=os.path.getmtime)
+    assert len(ckpts) == 3, ckpts
+    ckpts[-1].unlink()  # the newest (epoch 3) gone: the rerun resumes from epoch 2
+    run_ranks(_train_3_epochs, 1, str(out), timeout=180)
+    acc = EventAccumulator(str(out))
+    acc.Reload()
+    rows = metrics(out)
+    assert [r["epoch"] for r in rows] == [1, 2, 3]
+    scalars = acc.Scalars("train/loss")
+    assert [s.step for s in scalars] == [8, 16, 24]
+    assert [s.value for s in scalars] == pytest.approx([r["train_loss"] for r in rows], rel=1e-6)
+
+
 def test_without_the_package_the_key_names_the_extra_to_install(monkeypatch):
     real = config.importlib.util.find_spec
     monkeypatch.setattr(config.importlib.util, "find_spec", lambda name: None if name == "tensorboard" else real(name))
