@@ -7,11 +7,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 import distlib
 from distlib.runner.config import load_config
 from distlib.runner.outcome import exit_code, fast_exit
+from distlib.runner.throughput import gpus_per_process
 from distlib.runner.timeline import Timeline
 from distlib.runner.trainer import Trainer
 
@@ -30,7 +29,7 @@ def main(argv: list[str], timeline: Timeline | None = None) -> int:
     cfg = trainer = failure = None
     try:
         cfg = load_config(args.recipe, args.overrides)
-        gpus = max(1, torch.cuda.device_count()) if cfg.dist.mode == "fallback" else 1
+        gpus = gpus_per_process(cfg.dist.mode)
         trainer = Trainer(cfg, distlib.init(cfg.dist.backend, cfg.dist.timeout_s, gpus_per_process=gpus), timeline)
         trainer.build()
         return trainer.fit()

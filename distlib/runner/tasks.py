@@ -32,7 +32,7 @@ from distlib.runner.device_loader import DeviceLoader, normalize_stats
 from distlib.runner.evaluation import evaluate
 from distlib.runner.step import LossFn
 from distlib.runner.text_data import TokenLoader, eval_windows
-from distlib.runner.throughput import flops_per_token, mfu, peak_tflops
+from distlib.runner.throughput import flops_per_token, gpus_per_process, mfu, peak_tflops
 from distlib.runner.timeline import Timeline
 
 
@@ -257,7 +257,8 @@ class CausalLMTask(Task):
         tokens_per_s = samples_per_s * self.block_size
         out: dict[str, Any] = {"tokens_per_s": round(tokens_per_s, 1)}
         peak = peak_tflops(self.ctx.device, self.cfg.train.peak_tflops)
-        fraction = mfu(tokens_per_s, flops_per_token(model, self.block_size), self.ctx.world_size, peak)
+        gpus = self.ctx.world_size * gpus_per_process(self.cfg.dist.mode)  # fallback: a process drives its node
+        fraction = mfu(tokens_per_s, flops_per_token(model, self.block_size), gpus, peak)
         if fraction is not None:
             out["mfu"] = round(fraction, 4)
         return out

@@ -52,11 +52,16 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     return 6.0 * sum(p.numel() for p in model.parameters())
 
 
-def mfu(tokens_per_s: float, flops_per_token: float, world_size: int, peak: float | None) -> float | None:
-    """The fraction of the GPUs' peak the model's FLOPs reach; None without a peak."""
+def gpus_per_process(mode: str) -> int:
+    """The GPUs one process drives: every GPU of its node in ``dist.mode=fallback``, else one."""
+    return max(1, torch.cuda.device_count()) if mode == "fallback" else 1
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, gpus: int, peak: float | None) -> float | None:
+    """The fraction of the ``gpus``' peak the model's FLOPs reach; None without a peak."""
     if not peak:
         return None
-    return tokens_per_s * flops_per_token / (world_size * peak * 1e12)
+    return tokens_per_s * flops_per_token / (gpus * peak * 1e12)
 
 
 def peak_memory_gib(device: torch.device) -> list[float] | None:

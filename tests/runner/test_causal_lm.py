@@ -60,8 +60,8 @@ def test_byte_text_splits_by_position(tmp_path):
 
 
 def test_mfu_is_model_flops_over_the_peak_of_every_gpu(monkeypatch):
-    assert mfu(1e5, 6e8, world_size=2, peak=989.0) == pytest.approx(1e5 * 6e8 / (2 * 989e12))
-    assert mfu(1e5, 6e8, world_size=2, peak=None) is None
+    assert mfu(1e5, 6e8, gpus=2, peak=989.0) == pytest.approx(1e5 * 6e8 / (2 * 989e12))
+    assert mfu(1e5, 6e8, gpus=2, peak=None) is None
     assert peak_tflops(torch.device("cpu")) is None  # no MFU on a CPU unless the recipe gives a peak
     assert peak_tflops(torch.device("cpu"), override=50.0) == 50.0
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
@@ -70,6 +70,25 @@ def test_mfu_is_model_flops_over_the_peak_of_every_gpu(monkeypatch):
     assert peak_tflops(torch.device("cuda", 0)) == 312.0
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
     assert peak_tflops(torch.device("cuda", 0)) is None
+
+
+def test_mfu_counts_every_gpu_a_fallback_process_drives(monkeypatch):
+    """dist.mode=fallback: one process per node drives all of its GPUs; the MFU is over all of them."""
+    from types import SimpleNamespace as NS
+
+    from distlib.runner.tasks import CausalLMTask
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=2, n_embd=32))
+
+    def rates(mode: str) -> float:
+        task = NS(block_size=64, ctx=NS(world_size=2, device=torch.device("cpu")),
+                  cfg=NS(train=NS(peak_tflops=0.001), dist=NS(mode=mode)))  # fmt: skip
+        return CausalLMTask.rates(task, 1000.0, model)["mfu"]
+
+    flops = model.flops_per_token(64) * 1000.0 * 64
+    assert rates("process_per_gpu") == pytest.approx(flops / (2 * 1e9), rel=1e-3)  # 2 processes, a GPU each
+    assert rates("fallback") == pytest.approx(flops / (8 * 1e9), rel=1e-3)  # 2 nodes of 4 GPUs
 
 
 SMALL = ["train.epochs=2", "data.train_subset=64", "model.args.n_layer=1", "model.args.n_embd=32",
