@@ -206,7 +206,7 @@ class GradSync:
             self._layout([len(self.params) - 1 - i for i in range(len(self.params))])
         for slot in self._slots:
             self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._hook_for(slot.index)))
-        if broadcast_buffers:
+        if broadcast_buffers and next(model.buffers(), None) is not None:  # none (a GPT): nothing to do, as DDP
             # run eagerly under torch.compile (compile_for_sync): a collective and Python state, not graph code
             self._forward_hook = model.register_forward_pre_hook(torch.compiler.disable(self._pre_forward))
 
