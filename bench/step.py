@@ -330,6 +330,12 @@ def _eager_step(loss_fn, opt, sync, x, y, mark_step: bool = False) -> Callable[[
     return step
 
 
+def _grad_sync(model: nn.Module, args, groups: int) -> GradSync:
+    """The GradSync of every distlib mode: the benchmark's bucket sizes, communicators and buffer setting."""
+    return GradSync(model, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb, comm_groups=groups,
+                    broadcast_buffers=args.broadcast_buffers)  # fmt: skip
+
+
 def _run_compiled_mode(mode: str, args, ctx, groups: int = 1) -> StepResult:
     """One of COMPILE_MODES: a torch.compile'd model (compiled in the warm-up), stepped eagerly or,
     for the -graph modes, inside a CapturedStep (compiled kernels replayed in distlib's CUDA graph)."""
@@ -346,13 +352,7 @@ def _run_compiled_mode(mode: str, args, ctx, groups: int = 1) -> StepResult:
     sync = None
     extra: dict = {}
     if mode.startswith("distlib"):
-        sync = GradSync(
-            model,
-            bucket_mb=args.bucket_mb,
-            first_bucket_mb=args.first_bucket_mb,
-            comm_groups=groups,
-            broadcast_buffers=args.broadcast_buffers,
-        )
+        sync = _grad_sync(model, args, groups)
         net = compile_for_sync(model, sync, backend=args.compile_backend)
     elif mode.startswith("single"):
         net = torch.compile(model, backend=args.compile_backend)
@@ -408,13 +408,7 @@ def _run_mode(mode: str, args, ctx, groups: int = 1) -> StepResult:
         if mode == "ddp-compile":  # the strongest stock baseline: compiled, with CUDA graphs
             net = torch.compile(net, mode="reduce-overhead")
     elif mode.startswith("distlib"):
-        sync = GradSync(
-            model,
-            bucket_mb=args.bucket_mb,
-            first_bucket_mb=args.first_bucket_mb,
-            comm_groups=groups,
-            broadcast_buffers=args.broadcast_buffers,
-        )
+        sync = _grad_sync(model, args, groups)
     loss_fn = _loss_fn(net, device, bf16)
     captured = None
     if graph:
