@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import distlib
-from distlib import collectives
+from distlib.distributed import collectives
 
 
 def main() -> None:

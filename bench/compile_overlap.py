@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import distlib  # noqa: E402
-from distlib.grad_sync import GradSync  # noqa: E402
+from distlib.parallel.grad_sync import GradSync  # noqa: E402
 from distlib.runner.models import build_model  # noqa: E402
 
 
@@ -132,7 +132,7 @@ def main() -> int:
             elif mode == "blocks":
                 compile_blocks(model, sync, args.backend)
             elif mode == "sync":
-                from distlib.compile import compile_for_sync
+                from distlib.step.compile import compile_for_sync
 
                 net = compile_for_sync(model, sync, backend=args.backend)
             elif mode == "ddpopt":

@@ -245,8 +245,8 @@ def _build(mode: str, cfg: GPTConfig, args, ctx) -> tuple[Callable[[], None], Ca
             if mode == "ddp-compile":
                 net = torch.compile(net, backend=backend)
         elif mode.startswith("distlib"):
-            from distlib.compile import compile_for_sync
-            from distlib.grad_sync import GradSync
+            from distlib.parallel.grad_sync import GradSync
+            from distlib.step.compile import compile_for_sync
 
             zero = mode.startswith("distlib-zero")
             sync = GradSync(
@@ -278,7 +278,7 @@ def _build(mode: str, cfg: GPTConfig, args, ctx) -> tuple[Callable[[], None], Ca
             torch.nn.utils.clip_grad_norm_(params, args.clip)
 
     if graph:
-        from distlib.cuda_graph import CapturedStep
+        from distlib.step.cuda_graph import CapturedStep
 
         captured = CapturedStep(model, opt, loss_fn, sync, warmup_steps=3, before_step=clip)
         closers.insert(0, captured.close)

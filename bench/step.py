@@ -52,12 +52,12 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import distlib  # noqa: E402
-from distlib import buckets  # noqa: E402
-from distlib.collectives import comm_groups  # noqa: E402
-from distlib.cuda_graph import CapturedStep  # noqa: E402
-from distlib.grad_sync import GradSync  # noqa: E402
+from distlib.distributed.collectives import comm_groups  # noqa: E402
+from distlib.parallel import buckets  # noqa: E402
+from distlib.parallel.grad_sync import GradSync  # noqa: E402
 from distlib.runner.environment import collect_environment  # noqa: E402
 from distlib.runner.models import build_model  # noqa: E402
+from distlib.step.cuda_graph import CapturedStep  # noqa: E402
 
 # torch.compile (default mode) of GradSync's model through compile_for_sync, and of DDP (DDPOptimizer);
 # the -graph ones replay the compiled kernels inside distlib's own whole-step CUDA graph
@@ -339,7 +339,7 @@ def _grad_sync(model: nn.Module, args, groups: int) -> GradSync:
 def _run_compiled_mode(mode: str, args, ctx, groups: int = 1) -> StepResult:
     """One of COMPILE_MODES: a torch.compile'd model (compiled in the warm-up), stepped eagerly or,
     for the -graph modes, inside a CapturedStep (compiled kernels replayed in distlib's CUDA graph)."""
-    from distlib.compile import compile_for_sync
+    from distlib.step.compile import compile_for_sync
 
     device, world = ctx.device, ctx.world_size
     graph = mode.endswith("-graph")

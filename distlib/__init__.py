@@ -15,9 +15,11 @@ stop every rank at one step boundary), ``Watchdog`` (ends a rank that stopped ru
 ``collectives``, and the errors they raise.
 """
 
-from distlib import collectives
-from distlib.checkpoint import Checkpointer, CheckpointError
-from distlib.collectives import (
+from distlib.checkpoint.checkpointer import Checkpointer, CheckpointError
+from distlib.data.sampler import EpochLoader as EpochLoader  # returned by distributed_loader; kept importable
+from distlib.data.sampler import ExactDistributedSampler, LoaderError, distributed_loader
+from distlib.distributed import collectives
+from distlib.distributed.collectives import (
     all_gather_object,
     all_reduce,
     barrier,
@@ -26,30 +28,28 @@ from distlib.collectives import (
     reduce,
     sync_buffers,
 )
-from distlib.comm_fallback import Replicas
-from distlib.compile import compile_for_sync
-from distlib.cuda_graph import CapturedStep, CaptureUnsupported
-from distlib.ema import EMA
+from distlib.distributed.model_check import ModelMismatchError
+from distlib.distributed.process_group import Context, EnvError, init, shutdown
 from distlib.errors import DistlibError
-from distlib.grad_sync import GradSync, GradSyncError, GradSyncTimeout
 from distlib.log import get_logger
-from distlib.model_check import ModelMismatchError
-from distlib.process_group import Context, EnvError, init, shutdown
-from distlib.sampler import EpochLoader as EpochLoader  # returned by distributed_loader; kept importable
-from distlib.sampler import ExactDistributedSampler, LoaderError, distributed_loader
-from distlib.sharded_optimizer import ShardedOptimizer, ShardingError
-from distlib.stop import StopSignal
-from distlib.watchdog import Watchdog
+from distlib.parallel.comm_fallback import Replicas
+from distlib.parallel.grad_sync import GradSync, GradSyncError, GradSyncTimeout
+from distlib.parallel.sharded_optimizer import ShardedOptimizer, ShardingError
+from distlib.reliability.stop import StopSignal
+from distlib.reliability.watchdog import Watchdog
+from distlib.step.compile import compile_for_sync
+from distlib.step.cuda_graph import CapturedStep, CaptureUnsupported
+from distlib.step.ema import EMA
 
 
 def __getattr__(name: str):
     # torch.distributed.checkpoint and FSDP2 add seconds to the import: loaded when first used
     if name in ("ShardedCheckpointer", "export_checkpoint"):
-        from distlib import sharded_checkpoint
+        from distlib.checkpoint import sharded as sharded_checkpoint
 
         return getattr(sharded_checkpoint, name)
     if name in ("FSDPSync", "shard_model"):
-        from distlib import fsdp
+        from distlib.parallel import fsdp
 
         return getattr(fsdp, name)
     raise AttributeError(f"module 'distlib' has no attribute {name!r}")

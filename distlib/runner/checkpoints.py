@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from distlib import collectives
-from distlib.checkpoint import Checkpointer, CheckpointError, RankStateful, rng_state, set_rng_state
+from distlib.checkpoint.checkpointer import Checkpointer, CheckpointError, RankStateful, rng_state, set_rng_state
+from distlib.distributed import collectives
 from distlib.log import get_logger
 
 # ShardedCheckpointer's directory names, committed and partial; the replicated path does not import it:
@@ -153,7 +153,7 @@ class ShardedRunCheckpoints(RunCheckpoints):
     """``distlib.ShardedCheckpointer``: every rank writes its shards into ``step<global step>/``."""
 
     def __init__(self, directory: str, objects: Mapping[str, Any], settings: dict[str, Any], *, keep: int):
-        from distlib.sharded_checkpoint import ShardedCheckpointer
+        from distlib.checkpoint.sharded import ShardedCheckpointer
 
         self.directory = directory
         self.ranks = RankStates(objects)

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from distlib import collectives
-from distlib.process_group import Context
+from distlib.distributed import collectives
+from distlib.distributed.process_group import Context
 
 
 def _nccl_version() -> str | None:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import distlib
-from distlib.process_group import Context
+from distlib.distributed.process_group import Context
 from distlib.runner.device_loader import DeviceLoader, eval_shards, shift
 
 

@@ -6,10 +6,10 @@ import logging
 import os
 import sys
 
+from distlib.distributed.process_group import context
 from distlib.errors import DistlibError
-from distlib.failures import describe
-from distlib.grad_sync import GradSyncTimeout
-from distlib.process_group import context
+from distlib.parallel.grad_sync import GradSyncTimeout
+from distlib.reliability.failures import describe
 
 
 def exit_code(e: BaseException, timeout_s: float) -> int | None:

@@ -7,10 +7,10 @@ The trainer sees only ``TrainStep``; ``build_step`` alone picks the implementati
   ``dist.shard=optimizer`` its reduce-scatter and the ShardedOptimizer; with ``full`` FSDPSync
   over the model from ``shard_model``, FSDP2's mixed precision in place of autocast), run
   eagerly (``grad_accum`` micro-steps, communication on the last only) or replayed as one
-  CUDA graph (``train.cuda_graph``, distlib/cuda_graph.py); the model compiled by
+  CUDA graph (``train.cuda_graph``, distlib/step/cuda_graph.py); the model compiled by
   ``distlib.compile_for_sync`` with ``train.compile`` (its kernels then inside the graph);
 - ``fallback``: ``ReplicasStep``, one process drives every GPU of its node (distlib.Replicas,
-  distlib/comm_fallback.py).
+  distlib/parallel/comm_fallback.py).
 
 Every step runs forward, backward, the gradient sync, the optimizer step and ``post_step`` (the
 weight EMA's update; inside the graph when there is one), and returns this rank's mean loss
@@ -30,13 +30,13 @@ import torch
 from torch import nn
 
 import distlib
-from distlib.comm_fallback import Replicas, node_devices
-from distlib.cuda_graph import build_train_step
-from distlib.process_group import Context, EnvError
+from distlib.distributed.process_group import Context, EnvError
+from distlib.parallel.comm_fallback import Replicas, node_devices
 from distlib.runner.config import Config, ConfigError
 from distlib.runner.losses import cross_entropy
 from distlib.runner.optimizer_step import OptimizerSpec, OptimizerStep, autocast_dtype
 from distlib.runner.warmup import warm_up
+from distlib.step.cuda_graph import build_train_step
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

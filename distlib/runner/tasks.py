@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import distlib
-from distlib.failures import shared_errors
-from distlib.process_group import Context
+from distlib.distributed.process_group import Context
+from distlib.reliability.failures import shared_errors
 from distlib.runner import components
 from distlib.runner.config import Config, ConfigError, task_of
 from distlib.runner.data import DataError, load_image_set

@@ -29,9 +29,11 @@ from typing import Any
 import torch
 
 import distlib
-from distlib.checkpoint import fingerprint
-from distlib.failures import abort, describe
-from distlib.process_group import Context
+from distlib.checkpoint.checkpointer import fingerprint
+from distlib.distributed.process_group import Context
+from distlib.reliability.failures import abort, describe
+from distlib.reliability.stop import StopSignal
+from distlib.reliability.watchdog import Watchdog
 from distlib.runner import components
 from distlib.runner.checkpoints import build_checkpoints
 from distlib.runner.config import Config, ConfigError, dump_yaml
@@ -48,8 +50,6 @@ from distlib.runner.tasks import Task, build_task
 from distlib.runner.tensorboard_log import TensorBoardLog
 from distlib.runner.throughput import peak_memory_gib
 from distlib.runner.timeline import Timeline
-from distlib.stop import StopSignal
-from distlib.watchdog import Watchdog
 
 # may change on a resume: they do not change what the weights are
 _RESUME_FREE = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distlib.buckets import bounds, group_tensors
+from distlib.parallel.buckets import bounds, group_tensors
 
 MB = 2**20
 

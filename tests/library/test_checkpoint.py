@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from distlib.checkpoint import (
+from distlib.checkpoint.checkpointer import (
     Checkpointer,
     CheckpointError,
     Resumed,

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import distlib
-from distlib.state_broadcast import broadcast_module
+from distlib.distributed.state_broadcast import broadcast_module
 from tests.conftest import run_ranks
 
 DTYPES = [torch.float32, torch.float64, torch.int64]

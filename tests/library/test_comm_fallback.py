@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlib.comm_fallback import Replicas, allreduce_buckets, node_devices
+from distlib.parallel.comm_fallback import Replicas, allreduce_buckets, node_devices
 from tests.conftest import ROOT, free_port, run_ranks
 
 
@@ -183,7 +183,7 @@ def test_concatenated_batch_with_grad_accum():
 def test_one_process_three_replicas_without_process_group():
     """World size 1 is the same code: three CPU replicas, no process group; the optimizer's
     zero_grad(set_to_none=True) between steps must not detach the flat gradient views."""
-    from distlib.process_group import Context
+    from distlib.distributed.process_group import Context
 
     data = batches(3, 12)
     ref_params, ref_buffers, ref_losses = reference_per_gpu("bn", data, 3)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlib.comm_fallback import Replicas
+from distlib.parallel.comm_fallback import Replicas
 from tests.conftest import ROOT, free_port
 
 pytestmark = pytest.mark.gpus(2)

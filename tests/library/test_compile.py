@@ -9,8 +9,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from distlib.compile import compile_for_sync
-from distlib.grad_sync import GradSync
+from distlib.parallel.grad_sync import GradSync
+from distlib.step.compile import compile_for_sync
 from tests.conftest import run_ranks
 
 TOL = {"rtol": 1e-5, "atol": 1e-7}  # fp32; a compiled graph may sum in another order than eager
@@ -113,7 +113,7 @@ def test_inductor_on_two_gpus(mode):
 def _compiled_graph_vs_eager(ctx) -> dict:
     """compile_for_sync's model stepped eagerly, then inside a CapturedStep (the compiled kernels and
     the bucket all_reduces replayed as one CUDA graph); the lr changes every step."""
-    from distlib.cuda_graph import CapturedStep
+    from distlib.step.cuda_graph import CapturedStep
 
     runs = {}
     for mode in ("eager", "graph"):

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import distlib
-from distlib import cuda_graph
-from distlib.cuda_graph import CapturedStep, CaptureUnsupported, build_train_step, capture_problem
+from distlib.step import cuda_graph
+from distlib.step.cuda_graph import CapturedStep, CaptureUnsupported, build_train_step, capture_problem
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda", 0)
@@ -89,7 +89,7 @@ def _bn_captured_vs_ddp(ctx) -> dict:
     GradSync's default broadcast_buffers (the pre-forward broadcast is captured and replayed)."""
     from torch.nn import functional as F
 
-    from distlib.grad_sync import GradSync
+    from distlib.parallel.grad_sync import GradSync
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

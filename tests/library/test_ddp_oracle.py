@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlib.grad_sync import GradSync
+from distlib.parallel.grad_sync import GradSync
 from tests.conftest import run_ranks
 
 B = 4  # samples per rank and batch
@@ -486,7 +486,7 @@ def test_matches_ddp_on_two_gpus_nccl():
 
 
 def test_fallback_replicas_join_names_the_alternative():
-    from distlib.comm_fallback import Replicas
+    from distlib.parallel.comm_fallback import Replicas
 
     replicas = Replicas(MLP(), devices=["cpu", "cpu"])
     with pytest.raises(NotImplementedError, match=r"GradSync\(model\)\.join\(\)"):

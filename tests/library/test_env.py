@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import distlib
-from distlib.process_group import Context, EnvError, parse_env, resolve_backend
+from distlib.distributed.process_group import Context, EnvError, parse_env, resolve_backend
 
 FULL = {
     "RANK": "1",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from distlib import collectives
-from distlib.failures import describe, shared_errors
+from distlib.distributed import collectives
+from distlib.reliability.failures import describe, shared_errors
 
 GLOO_TIMEOUT = "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv"
 NCCL_TIMEOUT = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from distlib.flat_buffers import FlatBuffers
+from distlib.parallel.flat_buffers import FlatBuffers
 
 
 def test_views_keep_layout_and_live_in_the_flat_buffer():

@@ -96,7 +96,7 @@ def _counting(counts: dict[str, int]):
 
 
 def _case(ctx, kind: str, accum: int, clip: float, accumulate: str = "unsharded") -> dict:
-    from distlib.fsdp import FSDPSync, shard_model
+    from distlib.parallel.fsdp import FSDPSync, shard_model
 
     model = shard_model(_gpt, device="cpu")
     sync = FSDPSync(model, accumulate=accumulate)
@@ -198,7 +198,7 @@ class _Buffered(nn.Module):
 
 
 def _init_checks(ctx) -> dict:
-    from distlib.fsdp import ShardingError, shard_model
+    from distlib.parallel.fsdp import ShardingError, shard_model
 
     out: dict = {}
     # buffers keep their constructor values through meta init; default reset_parameters per module
@@ -258,7 +258,7 @@ def test_meta_init_buffers_and_same_weights(world):
 
 def _capture_refused(ctx) -> list[str]:
     from distlib import CapturedStep, CaptureUnsupported
-    from distlib.fsdp import FSDPSync, ShardingError, shard_model
+    from distlib.parallel.fsdp import FSDPSync, ShardingError, shard_model
 
     model = shard_model(lambda: GPT(CFG), device="cpu")
     opt = torch.optim.AdamW(model.parameters(), fused=False, capturable=True)
@@ -290,7 +290,7 @@ def test_captured_step_refuses_a_sharded_model():
 def _on_gpus(ctx) -> dict:
     """bf16 mixed precision (fp32 reduce) on NCCL against DDP under bf16 autocast: close, not equal
     (FSDP2 also runs the norms and the logits in bf16). SGD: updates proportional to the gradients."""
-    from distlib.fsdp import FSDPSync, shard_model
+    from distlib.parallel.fsdp import FSDPSync, shard_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model = shard_model(_gpt, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

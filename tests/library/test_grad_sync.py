@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import distlib
-from distlib.grad_sync import GradSync, ModelMismatchError
-from distlib.state_broadcast import broadcast_module
+from distlib.distributed.state_broadcast import broadcast_module
+from distlib.parallel.grad_sync import GradSync, ModelMismatchError
 from tests.conftest import run_ranks
 
 B = 4  # samples per rank
@@ -266,7 +266,7 @@ def test_bf16_compression_close_to_exact_and_buffer_sync():
 # ---- buckets spread over several communicators (comm_groups) -------------------------------
 def _group_launches(ctx, n: int) -> list[int]:
     """The group index of each all_reduce GradSync issues in one synced step (a bucket per parameter)."""
-    from distlib import collectives
+    from distlib.distributed import collectives
 
     model = Net()
     sync = GradSync(model, **TINY, comm_groups=n)
@@ -290,7 +290,7 @@ def _group_launches(ctx, n: int) -> list[int]:
 
 
 def _comm_groups(ctx, full: bool):
-    from distlib import collectives
+    from distlib.distributed import collectives
 
     kw = {"bucket_mb": 0.004, "first_bucket_mb": 0.001}  # a few buckets of mixed sizes
     out = {
@@ -342,7 +342,7 @@ def test_comm_groups_match_one_process(world):
 
 
 def test_comm_groups_bad_values_and_world_size_one():
-    from distlib import collectives
+    from distlib.distributed import collectives
     from distlib.runner.config import ConfigError, load_config
 
     for bad in (0, -1, 1.5, True):
@@ -647,7 +647,7 @@ _KEEP: list = []
 
 def _graph_vs_eager(ctx, steps: int = 8, comm_groups: int = 1) -> dict:
     """The same training with the eager step and with CapturedStep; returns the differences."""
-    from distlib.cuda_graph import CapturedStep
+    from distlib.step.cuda_graph import CapturedStep
 
     _exact_cuda()
     device = ctx.device if ctx is not None else torch.device("cuda", 0)

@@ -1,4 +1,4 @@
-"""The library's import boundary: distlib/*.py needs torch and the standard library only.
+"""The library's import boundary: distlib/ (but the runner) needs torch and the standard library only.
 
 The recipe runner (distlib.runner) may use yaml, rich, torchvision and matplotlib; a script that
 drops the library in must not need them, nor the runner itself.
@@ -15,7 +15,27 @@ import sys
 from tests.conftest import ROOT
 
 LIBRARY = os.path.join(ROOT, "distlib")
-MODULES = sorted(f"distlib.{f[:-3]}" for f in os.listdir(LIBRARY) if f.endswith(".py") and f != "__init__.py")
+
+
+def _library_modules() -> list[str]:
+    """Every module of the library (its subpackages included; the runner is not the library)."""
+    out = []
+    for folder, dirs, files in os.walk(LIBRARY):
+        dirs[:] = sorted(d for d in dirs if d not in ("runner", "__pycache__"))
+        package = os.path.relpath(folder, ROOT).replace(os.sep, ".")
+        out += [package] * (folder != LIBRARY and "__init__.py" in files)
+        out += [f"{package}.{f[:-3]}" for f in files if f.endswith(".py") and f != "__init__.py"]
+    return sorted(out)
+
+
+MODULES = _library_modules()
+
+
+def _path(module: str) -> str:
+    path = os.path.join(ROOT, *module.split("."))
+    return os.path.join(path, "__init__.py") if os.path.isdir(path) else path + ".py"
+
+
 THIRD_PARTY = ("yaml", "rich", "torchvision", "matplotlib", "PIL", "numpy")
 
 # Runs in a fresh interpreter: torch first (what it loads itself, e.g. numpy on some versions, cannot
@@ -58,9 +78,10 @@ def _imports(path: str) -> list[tuple[int, str]]:
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:  # relative: within the distlib package (a flat folder)
+            if node.level:  # relative imports are not used in the library: resolve them from its root anyway
                 base = "distlib" + (f".{base}" if base else "")
-            out += [(node.lineno, f"{base}.{a.name}" if base == "distlib" else base) for a in node.names]
+            # `from distlib.parallel import fsdp` imports the module distlib.parallel.fsdp
+            out += [(node.lineno, f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base) for a in node.names]
     return out
 
 
@@ -73,8 +94,8 @@ def _forbidden(name: str) -> bool:
 
 def test_library_sources_import_only_torch_and_the_standard_library():
     bad = []
-    for m in MODULES + ["distlib.__init__"]:
-        path = os.path.join(LIBRARY, m.split(".", 1)[1] + ".py")
+    for m in MODULES + ["distlib"]:
+        path = _path(m)
         bad += [f"{path}:{line}: import {name}" for line, name in _imports(path) if _forbidden(name)]
     assert bad == [], "the library may import torch and the standard library only:\n" + "\n".join(bad)
 
@@ -96,3 +117,24 @@ def test_public_names_are_what_they_say():
         __import__(m)
     assert callable(distlib.broadcast) and callable(distlib.sync_buffers) and callable(distlib.init)
     assert distlib.EpochLoader is not None  # returned by distributed_loader: not exported, still importable
+
+
+def test_the_library_has_no_import_circle():
+    """No two modules of the library import each other, directly or around a loop (imports inside
+    functions and under TYPE_CHECKING count too): each one can be read, and loaded, below the ones
+    that use it."""
+    graph = {m: {name for _, name in _imports(_path(m)) if name in MODULES and name != m} for m in MODULES}
+    done: set[str] = set()
+
+    def visit(m: str, path: list[str]) -> None:
+        if m in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(m) :] + [m]))
+        if m in done:
+            return
+        for n in sorted(graph[m]):
+            visit(n, path + [m])
+        done.add(m)
+
+    for m in MODULES:
+        visit(m, [])
+    assert len(done) == len(MODULES) and any(graph.values())  # the scan found the imports

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import distlib
-from distlib.launchers import detect, expand_hostlist, expand_tasks_per_node, slurm_port
-from distlib.process_group import EnvError, EnvInfo, _gpu_index
+from distlib.distributed.launchers import detect, expand_hostlist, expand_tasks_per_node, slurm_port
+from distlib.distributed.process_group import EnvError, EnvInfo, _gpu_index
 from tests.conftest import ROOT, free_port, run_ranks
 
 # ---- SLURM's compressed lists -----------------------------------------------------------------

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlib.checkpoint import Checkpointer, CheckpointError, fingerprint
-from distlib.failures import describe, shared_errors
+from distlib.checkpoint.checkpointer import Checkpointer, CheckpointError, fingerprint
+from distlib.reliability.failures import describe, shared_errors
+from distlib.reliability.stop import StopSignal
 from distlib.runner.data import DataError
-from distlib.stop import StopSignal
 from tests.conftest import run_ranks
 from tests.library.test_checkpoint import make, objects
 

@@ -293,7 +293,7 @@ def test_exact_shuffle_follows_the_seed():
 
 
 def test_checkpointer_saves_the_loader(tmp_path):
-    from distlib.checkpoint import Checkpointer
+    from distlib.checkpoint.checkpointer import Checkpointer
 
     loader = distlib.distributed_loader(dataset(41), 3, num_replicas=2, rank=1)
     indices(loader)

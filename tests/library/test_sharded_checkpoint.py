@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from distlib import collectives
-from distlib.checkpoint import CheckpointError
-from distlib.sharded_checkpoint import ShardedCheckpointer, export_checkpoint, main
+from distlib.checkpoint.checkpointer import CheckpointError
+from distlib.checkpoint.sharded import ShardedCheckpointer, export_checkpoint, main
+from distlib.distributed import collectives
 from tests.conftest import _rank_context, _Stdio, _worker, free_port, run_ranks
 
 GLOBAL_BATCH = 8
@@ -321,7 +321,7 @@ def test_export_writes_one_file_a_plain_model_loads(tmp_path):
     with pytest.raises(CheckpointError, match="no committed sharded checkpoint"):
         export_checkpoint(str(tmp_path), out)
     os.unlink(out)
-    assert main([str(tmp_path / "ck" / "step000000001"), out]) == 0  # python -m distlib.sharded_checkpoint
+    assert main([str(tmp_path / "ck" / "step000000001"), out]) == 0  # python -m distlib.checkpoint.sharded
     assert torch.load(out, weights_only=True).keys() == saved.keys()
     assert main([str(tmp_path / "nothing"), out]) == 2
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlib.grad_sync import GradSync
-from distlib.sharded_optimizer import ShardedOptimizer, ShardingError
+from distlib.parallel.grad_sync import GradSync
+from distlib.parallel.sharded_optimizer import ShardedOptimizer, ShardingError
 from tests.conftest import run_ranks
 
 B = 4
@@ -452,7 +452,7 @@ _KEEP: list = []
 
 def _graph_vs_eager(ctx, dtype: torch.dtype = torch.float32, steps: int = 8) -> dict:
     """The sharded step eager and as a CapturedStep (clipping inside, lr changing every step)."""
-    from distlib.cuda_graph import CapturedStep
+    from distlib.step.cuda_graph import CapturedStep
 
     _exact_cuda()
     device = ctx.device if ctx is not None else torch.device("cuda", 0)
@@ -530,7 +530,7 @@ def test_captured_sharded_step_equals_eager_on_two_gpus():
 
 
 def test_capture_problem_checks_the_class_the_sharded_optimizer_steps():
-    from distlib.cuda_graph import capture_problem
+    from distlib.step.cuda_graph import capture_problem
 
     model = nn.Linear(4, 4)
     sync = GradSync(model, shard="optimizer")

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import distlib
-from distlib.grad_sync import GradSync
+from distlib.parallel.grad_sync import GradSync
 from tests.conftest import run_ranks
 
 TINY = {"bucket_mb": 3e-4, "first_bucket_mb": 1e-4}  # several buckets, parameters cut between them
@@ -96,7 +96,7 @@ def _mlp() -> nn.Module:
 
 
 def _fsdp_clip_and_seed(ctx) -> dict:
-    from distlib.fsdp import FSDPSync, shard_model
+    from distlib.parallel.fsdp import FSDPSync, shard_model
 
     out: dict = {"norms": {}, "grads": {}}
     g = torch.Generator().manual_seed(3)
@@ -153,7 +153,7 @@ def test_a_sharded_checkpoint_reaches_the_disk_before_its_name_and_the_name_befo
     """A power cut must leave the previous checkpoint or the whole new one: the shards and the commit
     marker are synced before the rename that commits them, the directory holding the new name
     before save returns."""
-    from distlib.sharded_checkpoint import ShardedCheckpointer
+    from distlib.checkpoint.sharded import ShardedCheckpointer
 
     events: list[tuple[str, str]] = []
     real_fsync, real_replace = os.fsync, os.replace
@@ -183,7 +183,7 @@ def test_a_sharded_checkpoint_reaches_the_disk_before_its_name_and_the_name_befo
 def test_a_step_saved_again_replaces_the_older_checkpoint_of_that_step(tmp_path):
     """A run resumed from an older checkpoint saves steps it saved before: the new state replaces the
     old one of that step (resume reads the new one)."""
-    from distlib.sharded_checkpoint import ShardedCheckpointer
+    from distlib.checkpoint.sharded import ShardedCheckpointer
 
     model = _net()
     ck = ShardedCheckpointer(str(tmp_path))
@@ -206,7 +206,7 @@ def test_capture_problem_reads_every_parameter_group():
     """A step is capturable only when every parameter group has the settings (the runner builds two
     groups: with and without weight decay); a second group without them is named, the first alone
     having them is not enough."""
-    from distlib.cuda_graph import capture_problem
+    from distlib.step.cuda_graph import capture_problem
 
     cuda = torch.device("cuda", 0)  # only its type is read: the check runs on the CPU
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
@@ -235,7 +235,7 @@ class _Broken(nn.Module):
 
 
 def _fullgraph(ctx) -> dict:
-    from distlib.compile import compile_for_sync
+    from distlib.step.compile import compile_for_sync
 
     out = {}
     for fullgraph in (False, True):

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from distlib.stop import StopSignal
+from distlib.reliability.stop import StopSignal
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])

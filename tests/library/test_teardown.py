@@ -1,6 +1,6 @@
 """distlib.shutdown(): the gloo abort at exit must not happen.
 
-The cause (see distlib.process_group.shutdown): a gloo worker thread releases
+The cause (see distlib.distributed.process_group.shutdown): a gloo worker thread releases
 its last reference to a finished collective after the caller has moved on; if
 the interpreter is finalizing by then, the thread is ended inside a noexcept
 destructor and the process aborts ("terminate called without an active
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import distlib
-from distlib import process_group
+from distlib.distributed import process_group
 from tests.conftest import run_ranks
 from tests.library.teardown_stress import run_jobs
 
@@ -40,7 +40,7 @@ def _shutdown_joins_threads(ctx):
     torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     t = torch.ones(100)
     distlib.all_reduce(t)
-    extra = distlib.collectives.comm_groups(2)[1]  # as GradSync(comm_groups=2) makes, the runner's default
+    extra = distlib.distributed.collectives.comm_groups(2)[1]  # as GradSync(comm_groups=2) makes, the runner's default
     dist.all_reduce(t, group=extra)
     groups = [weakref.ref(dist.group.WORLD), weakref.ref(extra)]
     del extra

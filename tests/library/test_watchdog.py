@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-import distlib.watchdog
+import distlib.reliability.watchdog
 
 # A rank stand-in that loads only the watchdog module (standard library, no torch: fast).
 RANK = """
@@ -20,7 +20,7 @@ print(dog._child.pid, flush=True)
 
 
 def start(action: str, timeout: float = 1.0) -> tuple[subprocess.Popen, int]:
-    code = RANK.format(path=distlib.watchdog.__file__, timeout=timeout, action=action)
+    code = RANK.format(path=distlib.reliability.watchdog.__file__, timeout=timeout, action=action)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc, int(proc.stdout.readline())
 
@@ -49,17 +49,17 @@ def test_a_stopped_rank_is_killed_and_named_soon_after_the_timeout():
     took = time.monotonic() - t0
     err = proc.stderr.read()
     assert proc.returncode == -9
-    assert took < 1.0 + distlib.watchdog.grace_s(1.0) + 3.0, took
+    assert took < 1.0 + distlib.reliability.watchdog.grace_s(1.0) + 3.0, took
     assert f"[distlib watchdog] rank 3 (pid {proc.pid} on " in err and "state T (stopped)" in err, err
     assert wait_gone(dog, 5)
 
 
 def test_the_grace_is_a_tenth_of_the_timeout_within_1_to_5_s():
-    grace = distlib.watchdog.grace_s
+    grace = distlib.reliability.watchdog.grace_s
     assert (grace(1.0), grace(20.0), grace(300.0)) == (1.0, 2.0, 5.0)
     # the heartbeat comes several times per deadline, so that a healthy rank is never late
     for timeout in (1.0, 300.0):
-        dog = distlib.watchdog.Watchdog(timeout, rank=0)
+        dog = distlib.reliability.watchdog.Watchdog(timeout, rank=0)
         try:
             assert dog.deadline_s == timeout + grace(timeout) and dog.interval_s <= dog.deadline_s / 5
         finally:

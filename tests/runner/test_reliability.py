@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import launch
+from distlib.reliability.watchdog import grace_s
 from distlib.runner.data import load_image_set
-from distlib.watchdog import grace_s
 from tests.conftest import ROOT, free_port
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import distlib
-from distlib.checkpoint import CheckpointError
+from distlib.checkpoint.checkpointer import CheckpointError
 from distlib.runner.config import ConfigError, load_config
 from distlib.runner.trainer import Trainer
 from tests.conftest import ROOT, run_ranks

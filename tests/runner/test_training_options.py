@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import launch
-from distlib.grad_sync import GradSync
+from distlib.parallel.grad_sync import GradSync
 from tests.conftest import ROOT
 
 SMALL = [

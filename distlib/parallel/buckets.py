@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from distlib import collectives
+from distlib.distributed import collectives
 
 MB = 2**20
 

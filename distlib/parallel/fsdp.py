@@ -21,10 +21,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from distlib import collectives
+from distlib.distributed import collectives
+from distlib.distributed.state_broadcast import broadcast_module
 from distlib.log import get_logger
-from distlib.sharded_optimizer import ShardingError
-from distlib.state_broadcast import broadcast_module
+from distlib.parallel.sharded_optimizer import ShardingError
 
 __all__ = ["FSDPSync", "ShardingError", "is_fully_sharded", "shard_model"]
 

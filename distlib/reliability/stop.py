@@ -15,7 +15,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from distlib import collectives
+from distlib.distributed import collectives
 
 
 class StopSignal:

@@ -16,14 +16,14 @@ import torch.cuda.comm  # noqa: F401  (a submodule: torch.cuda does not import i
 import torch.distributed as dist
 from torch import nn
 
-from distlib import collectives
-from distlib.buckets import allreduce_buckets
-from distlib.flat_buffers import FlatBuffers
+from distlib.distributed import collectives
+from distlib.distributed.model_check import check_same_model
+from distlib.distributed.state_broadcast import broadcast_module
 from distlib.log import get_logger
-from distlib.model_check import check_same_model
-from distlib.state_broadcast import broadcast_module
+from distlib.parallel.buckets import allreduce_buckets
+from distlib.parallel.flat_buffers import FlatBuffers
 
-__all__ = ["Replicas", "allreduce_buckets", "node_devices"]  # allreduce_buckets lives in distlib.buckets
+__all__ = ["Replicas", "allreduce_buckets", "node_devices"]  # allreduce_buckets lives in distlib.parallel.buckets
 
 _ALIGN = 64  # elements: each tensor's view in a flat buffer starts 256-byte aligned (fp32)
 _GRAPH_WARMUP = 3  # eager iterations on side streams before capture (cudnn autotuning, lazy init)
@@ -257,7 +257,7 @@ class Replicas:
     def join(self) -> None:
         """Uneven inputs are not supported here: raises NotImplementedError.
 
-        Give every node the same number of batches instead (``distlib.sampler.distributed_loader`` with
+        Give every node the same number of batches instead (``distlib.data.sampler.distributed_loader`` with
         ``drop_last=True``), or use ``GradSync.join()`` with one process per GPU.
         """
         raise NotImplementedError(

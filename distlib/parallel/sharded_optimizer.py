@@ -10,18 +10,16 @@ docs/grad_sync.md ("Optimizer sharding").
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from distlib import collectives
+from distlib.distributed import collectives
 from distlib.errors import DistlibError
 
 if TYPE_CHECKING:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    from distlib.grad_sync import GradSync
 
 __all__ = ["ShardedOptimizer", "ShardingError"]
 
@@ -38,6 +36,28 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class ShardingError(DistlibError, ValueError):
     """A model or setting that sharding (``GradSync(shard="optimizer")``, ``shard_model``) cannot use,
     or a sharded optimizer that cannot be built or loaded as asked; the message says what to change."""
+
+
+class GradSync(Protocol):
+    """What a sharded optimizer reads of the ``distlib.GradSync(model, shard="optimizer")`` whose
+    buckets it steps (declared here, so that this module does not import grad_sync, which builds on it)."""
+
+    model: torch.nn.Module
+    world_size: int
+    shard: str
+    comm_groups: int
+    buckets: list[Any]  # grad_sync's buckets: .flat (the gradients), .params, .group
+    layout_version: int  # bumped by every new bucket layout
+    _marks: torch.Tensor | None
+    _names: dict[int, str]
+    _slots: list[Any]
+    _storages: list[torch.Tensor]
+    _sharded_optimizer: ShardedOptimizer | None
+    _clip_max_norm: float | None
+
+    def wait(self) -> None: ...
+
+    def sharded_optimizer(self, optimizer_class: type, params: Any, **kwargs: Any) -> ShardedOptimizer: ...
 
 
 # ---- the collectives GradSync calls with shard="optimizer" ------------------------------------

@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from distlib import collectives
+from distlib.distributed import collectives
 from distlib.errors import DistlibError
 from distlib.log import get_logger
 

@@ -18,14 +18,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlib import collectives, sharded_optimizer
-from distlib.buckets import group_tensors
+from distlib.distributed import collectives
+from distlib.distributed.model_check import ModelMismatchError, check_same_model
+from distlib.distributed.state_broadcast import broadcast_module, broadcast_tensors
 from distlib.errors import DistlibError
-from distlib.flat_buffers import FlatBuffers
-from distlib.model_check import ModelMismatchError, check_same_model
-from distlib.state_broadcast import broadcast_module, broadcast_tensors
+from distlib.parallel import sharded_optimizer
+from distlib.parallel.buckets import group_tensors
+from distlib.parallel.flat_buffers import FlatBuffers
 
-# ModelMismatchError lives in distlib.model_check
+# ModelMismatchError lives in distlib.distributed.model_check
 __all__ = ["GradSync", "GradSyncError", "GradSyncTimeout", "ModelMismatchError"]
 
 _MB = 2**20
@@ -41,7 +42,7 @@ class GradSyncError(DistlibError, RuntimeError):
 class GradSyncTimeout(GradSyncError):
     """A gradient all_reduce timed out in ``wait()``: some rank did not run this step (uneven inputs
     without ``join()``, or a rank that stopped or died). Its ``__cause__`` is the collective's own error;
-    ``distlib.failures.describe`` reports it as the collective timeout it is."""
+    ``distlib.reliability.failures.describe`` reports it as the collective timeout it is."""
 
 
 def _stalled(e: RuntimeError) -> GradSyncTimeout:
@@ -125,7 +126,7 @@ class GradSync:
     ``shard="optimizer"`` (ZeRO-1) reduce-scatters each bucket into this rank's slice instead, for
     the optimizer from ``sync.sharded_optimizer(...)``, which steps only that slice and all_gathers
     the parameters; ``sync.clip_grad_norm_`` clips by the global norm in both modes
-    (distlib/sharded_optimizer.py; docs/grad_sync.md, "Optimizer sharding").
+    (distlib/parallel/sharded_optimizer.py; docs/grad_sync.md, "Optimizer sharding").
     """
 
     def __init__(
@@ -666,7 +667,7 @@ class GradSync:
         **kwargs,
     ) -> sharded_optimizer.ShardedOptimizer:
         """The optimizer for ``shard="optimizer"``: ``optimizer_class(params, **kwargs)`` stepping this
-        rank's shard of fp32 parameters (see distlib.sharded_optimizer.ShardedOptimizer)."""
+        rank's shard of fp32 parameters (see distlib.parallel.sharded_optimizer.ShardedOptimizer)."""
         return sharded_optimizer.ShardedOptimizer(
             self, optimizer_class, params, overlap_param_gather=overlap_param_gather, **kwargs
         )

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlib import collectives
+from distlib.distributed import collectives
 
 _CHUNK_BYTES = 64 * 2**20
 

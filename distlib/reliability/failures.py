@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from distlib import collectives
+from distlib.distributed import collectives
 
 _TIMEOUT_MARKERS = ("timed out", "timeout")
 _PEER_LOST_MARKERS = ("connection closed", "connection reset", "broken pipe", "connection refused", "closed by peer")

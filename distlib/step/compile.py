@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distlib.grad_sync import GradSync
+from distlib.parallel.grad_sync import GradSync
 
 _NEVER = 2**62  # a byte count no bucket reaches: the split points are set by hand below
 

@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlib import collectives
+from distlib.distributed import collectives
+from distlib.distributed.process_group import before_shutdown
 from distlib.errors import DistlibError
-from distlib.grad_sync import GradSync
 from distlib.log import get_logger
+from distlib.parallel.grad_sync import GradSync
 
 _LIVE: weakref.WeakSet[CapturedStep] = weakref.WeakSet()
 
@@ -50,7 +51,7 @@ def sharding_problem(model: nn.Module) -> str | None:
     """Why a fully sharded model's step cannot be a CUDA graph, or None for any other model."""
     if "torch.distributed.fsdp" not in sys.modules:
         return None  # nothing has sharded it: FSDP2 is not even imported (and costs seconds to import)
-    from distlib.fsdp import is_fully_sharded
+    from distlib.parallel.fsdp import is_fully_sharded
 
     if is_fully_sharded(model):
         return (
@@ -240,6 +241,7 @@ class CapturedStep:
         _LIVE.discard(self)
 
 
+@before_shutdown  # a live graph holding NCCL work makes ncclCommDestroy wait forever
 def release_graphs() -> None:
     """Close every live CapturedStep. ``distlib.shutdown()`` calls it before destroying the group."""
     for step in list(_LIVE):

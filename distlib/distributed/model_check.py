@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from distlib import collectives
+from distlib.distributed import collectives
 from distlib.errors import DistlibError
 
 Row = tuple[str, str, tuple[int, ...], str, bool]

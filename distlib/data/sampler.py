@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, get_worker_info
 
-from distlib import collectives
+from distlib.distributed import collectives
 from distlib.errors import DistlibError
 
 

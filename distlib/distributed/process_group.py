@@ -1,7 +1,7 @@
 """Process group set-up and teardown.
 
 ``init()`` reads the launcher's environment (torchrun, srun, a PyTorchJob or
-mpirun: see ``distlib.launchers``; or finds none: world size 1, no process group,
+mpirun: see ``distlib.distributed.launchers``; or finds none: world size 1, no process group,
 every collective a no-op), binds the process to its GPU and starts the process
 group. ``shutdown()`` tears it down without the gloo abort at exit (see its
 docstring for the cause).
@@ -18,19 +18,15 @@ import re
 import sys
 import traceback
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from distlib import collectives
-from distlib.errors import DistlibError
+from distlib.distributed import collectives
+from distlib.distributed.launchers import PER_NODE_FLAG, EnvError, EnvInfo, detect
 from distlib.log import get_logger, set_rank
-
-
-class EnvError(DistlibError, RuntimeError):
-    """The distributed environment is incomplete or contradictory."""
 
 
 @dataclass(frozen=True)
@@ -51,25 +47,12 @@ class Context:
         return self.rank // max(self.local_world_size, 1)
 
 
-@dataclass(frozen=True)
-class EnvInfo:
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    launcher: str = "none"  # "torchrun", "pytorchjob", "srun", "mpirun", "init_method" (given to init), "none"
-    master_addr: str | None = None  # rank 0's host and port (the rendezvous), None at world size 1
-    master_port: int | None = None
-
-
 def parse_env(env: Mapping[str, str] | None = None) -> EnvInfo | None:
     """Read the launcher's variables (torchrun, srun, a PyTorchJob, mpirun). None when no launcher's
     are set (a plain ``python`` run).
 
     Raises EnvError naming what is missing or wrong when they are half set or contradictory.
     """
-    from distlib.launchers import detect  # imported here: launchers imports EnvInfo and EnvError from this module
-
     return detect(os.environ if env is None else env)
 
 
@@ -107,8 +90,6 @@ def _gpu_index(info: EnvInfo, n_gpus: int, gpus_per_process: int, env: Mapping[s
         return info.local_rank
     if info.launcher == "srun" and n_gpus >= 1 and "SLURM_GPUS_PER_TASK" in env:
         return 0
-    from distlib.launchers import PER_NODE_FLAG
-
     raise EnvError(
         f"{info.local_world_size} processes on this node but only {n_gpus} GPU(s) visible; "
         f"start {n_gpus} or fewer per node ({PER_NODE_FLAG.get(info.launcher, '--nproc-per-node')})"
@@ -116,6 +97,18 @@ def _gpu_index(info: EnvInfo, n_gpus: int, gpus_per_process: int, env: Mapping[s
 
 
 _CONTEXT: Context | None = None
+_BEFORE_SHUTDOWN: list[Callable[[], None]] = []
+
+
+def before_shutdown(hook: Callable[[], None]) -> Callable[[], None]:
+    """Register ``hook`` to run at the start of every ``shutdown()``, while the process group still
+    exists: the modules above this one (CUDA graphs, asynchronous checkpoints) release or finish
+    what would outlive the group, without this module importing them. Returns ``hook``."""
+    if hook not in _BEFORE_SHUTDOWN:
+        _BEFORE_SHUTDOWN.append(hook)
+    return hook
+
+
 _timeout_s = 300.0  # init()'s collective timeout, also the bound of shutdown()'s barrier
 _atexit_registered = False
 
@@ -153,7 +146,7 @@ def init(
 ) -> Context:
     """Start the process group from the launcher's environment and bind this process's device.
 
-    torchrun, srun, a Kubeflow PyTorchJob and mpirun are read (``distlib.launchers``);
+    torchrun, srun, a Kubeflow PyTorchJob and mpirun are read (``distlib.distributed.launchers``);
     without any launcher's variables this is world size 1: no process group is
     started and the collectives of distlib are no-ops (``os.environ`` is not changed: read the
     rank and world size from the returned ``Context``, not from torchrun's variables). Under
@@ -277,9 +270,8 @@ def shutdown(*, barrier: bool | None = None) -> None:
     """
     global _CONTEXT
     _CONTEXT = None
-    from distlib.cuda_graph import release_graphs
-
-    release_graphs()  # a live graph holding NCCL work makes ncclCommDestroy wait forever
+    for hook in list(_BEFORE_SHUTDOWN):  # e.g. cuda_graph's release_graphs, registered when it is imported
+        hook()
     if not (dist.is_available() and dist.is_initialized()):
         return
     if barrier is None:

@@ -11,8 +11,25 @@ from __future__ import annotations
 import re
 import zlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-from distlib.process_group import EnvError, EnvInfo
+from distlib.errors import DistlibError
+
+
+class EnvError(DistlibError, RuntimeError):
+    """The distributed environment is incomplete or contradictory."""
+
+
+@dataclass(frozen=True)
+class EnvInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    launcher: str = "none"  # "torchrun", "pytorchjob", "srun", "mpirun", "init_method" (given to init), "none"
+    master_addr: str | None = None  # rank 0's host and port (the rendezvous), None at world size 1
+    master_port: int | None = None
+
 
 TORCHRUN_REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 PYTORCHJOB_REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

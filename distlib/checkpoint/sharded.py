@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from distlib import collectives
-from distlib.checkpoint import CheckpointError, differences
+from distlib.checkpoint.checkpointer import CheckpointError, differences
+from distlib.distributed import collectives
 from distlib.log import get_logger
 
 FORMAT = "distlib-sharded-checkpoint"
@@ -459,10 +459,10 @@ def export_checkpoint(checkpoint_dir: str, path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m distlib.sharded_checkpoint CHECKPOINT_DIR OUT.pt``: ``export_checkpoint`` from a shell."""
+    """``python -m distlib.checkpoint.sharded CHECKPOINT_DIR OUT.pt``: ``export_checkpoint`` from a shell."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m distlib.sharded_checkpoint", description=export_checkpoint.__doc__)
+    p = argparse.ArgumentParser(prog="python -m distlib.checkpoint.sharded", description=export_checkpoint.__doc__)
     p.add_argument("checkpoint_dir", help="a step directory, or the directory a ShardedCheckpointer saved into")
     p.add_argument("path", help="the torch.save file to write")
     args = p.parse_args(argv)
