@@ -26,6 +26,7 @@ REGISTRY: dict[str, dict[str, str]] = {
     "data": {
         "image_folder": "distlib.runner.data:load_image_set",
         "byte_text": "distlib.runner.text_data:load_byte_text",
+        "token_file": "distlib.runner.token_file:load_token_file",
     },
     "loss": {
         "cross_entropy": "distlib.runner.losses:cross_entropy",

@@ -32,9 +32,9 @@ class AugmentConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "image_folder"  # image_folder, byte_text (a .txt/.txt.gz), or package.module:callable -> (train, val)
-    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the data set (byte_text: block_size)
-    root: str = "data/cifar10-demo"  # image_folder: CIFAR-10 or ImageFolder with train/, test/; byte_text: the file
+    name: str = "image_folder"  # image_folder, byte_text (.txt/.txt.gz), token_file (.bin), or package.module:callable
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the data set (text: block_size, ...)
+    root: str = "data/cifar10-demo"  # image_folder: CIFAR-10 or ImageFolder; byte_text: the file; token_file: file(s)
     download: bool = False  # let torchvision download CIFAR-10 into root when it is missing
     cache_dir: str = ""  # where the decoded uint8 tensors are kept; "" = $XDG_CACHE_HOME/distlib or ~/.cache/distlib
     train_subset: int = 0  # use only the first N training images (0 = all)
@@ -84,7 +84,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model (buckets still overlapped; inside the graph with cuda_graph)
     prewarm_steps: int = 5  # on a GPU: steps run, then undone, before the clock (autotuning, graph capture)
     cudnn_benchmark: bool = True  # on a GPU: cuDNN tries its algorithms for each convolution (in the warm-up)
-    task: Literal["auto", "classification", "causal_lm"] = "auto"  # auto: causal_lm for byte_text data or gpt
+    task: Literal["auto", "classification", "causal_lm"] = "auto"  # auto: causal_lm for text/token data or gpt
     peak_tflops: float = 0.0  # dense bf16 TFLOP/s of one GPU for MFU; 0 = from the GPU's name (none on a CPU)
     sample_tokens: int = 200  # causal_lm: bytes generated from the final model, printed and in summary.json
 
@@ -358,10 +358,14 @@ def _check_sharding(cfg: Config, problems: list[str]) -> None:
 
 
 def task_of(cfg: Config) -> str:
-    """train.task, with "auto" resolved: causal_lm for byte_text data or the gpt model, else classification."""
+    """train.task, with "auto" resolved: causal_lm for byte_text or token_file data or the gpt model, else
+    classification."""
     if cfg.train.task != "auto":
         return cfg.train.task
-    return "causal_lm" if cfg.data.name == "byte_text" or cfg.model.name == "gpt" else "classification"
+    return "causal_lm" if cfg.data.name in LM_DATA or cfg.model.name == "gpt" else "classification"
+
+
+LM_DATA = ("byte_text", "token_file")  # the built-in language-model data sets
 
 
 # the keyword arguments the runner gives a component that takes them (runner/tasks.py), so a
@@ -385,9 +389,12 @@ def _check_components(cfg: Config, problems: list[str]) -> None:
     if task == "causal_lm" and cfg.data.name == "image_folder":
         problems.append("train.task=causal_lm with data.name=image_folder: a language model trains on text; "
                         "set data.name=byte_text and data.root to a .txt or .txt.gz file")  # fmt: skip
-    if task == "classification" and cfg.data.name == "byte_text":
-        problems.append("train.task=classification with data.name=byte_text: byte_text is language-model data; "
-                        "use train.task=causal_lm (or auto)")  # fmt: skip
+    if task == "classification" and cfg.data.name in LM_DATA:
+        problems.append(f"train.task=classification with data.name={cfg.data.name}: {cfg.data.name} is language-model "
+                        "data; use train.task=causal_lm (or auto)")  # fmt: skip
+    if cfg.data.name == "token_file" and cfg.model.name == "gpt" and "vocab_size" not in cfg.model.args:
+        problems.append("model.args.vocab_size: needed with data.name=token_file (the tokenizer's vocabulary size; "
+                        "the gpt's default of 256 is byte_text's)")  # fmt: skip
 
 
 def load_config(recipe: str | os.PathLike | None, overrides: list[str] = ()) -> Config:

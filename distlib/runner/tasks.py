@@ -193,19 +193,27 @@ class CausalLMTask(Task):
 
     def __init__(self, cfg: Config, ctx: Context, per_rank: int, timeline: Timeline):
         super().__init__(cfg, ctx, per_rank, timeline)
-        self.text = cfg.data.name == "byte_text"
+        self.text = cfg.data.name in ("byte_text", "token_file")  # built-in token streams: TokenLoader
+        self.token_ids = None  # the model's vocabulary size that token files are checked against
         if self.text:
             with shared_errors(DataError):
                 self.data = components.build("data", cfg.data.name, cfg.data.args, provided={"root": cfg.data.root})
+                if cfg.data.name == "token_file":
+                    self.token_ids = recipe_vocab_size(cfg)
+                    for split in (self.data.train, self.data.val):
+                        if split is not None:
+                            split.check_vocab_start(self.token_ids)
             self.timeline.mark("data")
-            device = ctx.device if cfg.data.on_device else torch.device("cpu")
+            # a token file stays memory-mapped on the CPU (each step reads its windows, pinned for a GPU)
+            device = torch.device("cpu") if cfg.data.name == "byte_text" and not cfg.data.on_device else ctx.device
             self.block_size, self.vocab_size = self.data.block_size, self.data.vocab_size
             self.loader = TokenLoader(self.data.train, block_size=self.block_size, batch_size=per_rank, rank=ctx.rank,
                                       world_size=ctx.world_size, device=device, seed=cfg.train.seed,
-                                      max_windows=cfg.data.train_subset)  # fmt: skip
-            self.val_tokens = self.data.val.to(device)
+                                      max_windows=cfg.data.train_subset, vocab_size=self.token_ids)  # fmt: skip
+            val = self.data.val
+            self.val_tokens = val.to(device) if isinstance(val, torch.Tensor) else val
             self.train_size = self.loader.windows
-            self.eval_size = (len(self.val_tokens) - 1) // self.block_size
+            self.eval_size = (len(self.val_tokens) - 1) // self.block_size if self.val_tokens is not None else 0
             self.timeline.mark("loader")
         else:
             self.loader, self.val_loader, self.train_size, self.eval_size = _dataset_loaders(cfg, ctx, per_rank)
@@ -226,14 +234,17 @@ class CausalLMTask(Task):
         if self.text:
             x, y = next(iter(TokenLoader(self.data.train, block_size=self.block_size, batch_size=self.per_rank,
                                          device=device)))  # fmt: skip
-            return x, y
+            return x.to(device), y.to(device)
         x, y = next(iter(self.loader.loader))
         return x.to(device), y.to(device)
 
     def _val_batches(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         if self.text:
+            if self.val_tokens is None:
+                return []
             return eval_windows(self.val_tokens, self.block_size, self.ctx.rank, self.ctx.world_size,
-                                batch_size=self.per_rank, device=self.ctx.device)  # fmt: skip
+                                batch_size=self.per_rank, device=self.ctx.device,
+                                vocab_size=self.token_ids)  # fmt: skip
         return self.val_loader if self.val_loader is not None else []
 
     def evaluate(self, model: nn.Module, autocast: contextlib.AbstractContextManager, final: bool) -> dict[str, Any]:
@@ -265,7 +276,7 @@ class CausalLMTask(Task):
 
     def finish(self, model: nn.Module, autocast: contextlib.AbstractContextManager) -> dict[str, Any]:
         n = self.cfg.train.sample_tokens
-        if not n or not self.text or not hasattr(model, "generate"):
+        if not n or self.cfg.data.name != "byte_text" or not hasattr(model, "generate"):  # bytes decode alone
             return {}
         prompt = self.val_tokens[: min(32, self.block_size)].long().view(1, -1).to(self.ctx.device)
         g = torch.Generator(device=self.ctx.device).manual_seed(self.cfg.train.seed)
@@ -275,6 +286,15 @@ class CausalLMTask(Task):
         model.train()
         text = bytes(out[0].tolist()).decode("utf-8", errors="replace")
         return {"sample_prompt": bytes(prompt[0].tolist()).decode("utf-8", errors="replace"), "sample": text}
+
+
+def recipe_vocab_size(cfg: Config) -> int | None:
+    """The model's vocabulary size as the recipe gives it (``model.args.vocab_size``, or the
+    ``vocab_size`` of a model config mapping in ``model.args.config``); None when it gives none."""
+    args = cfg.model.args
+    config = args.get("config")
+    size = args.get("vocab_size", config.get("vocab_size") if isinstance(config, dict) else None)
+    return size if isinstance(size, int) else None
 
 
 TASKS = {"classification": ClassificationTask, "causal_lm": CausalLMTask}

@@ -1,6 +1,7 @@
-"""Byte-level text for the language-model task: a ``.txt`` or ``.txt.gz`` file read as bytes
-(vocabulary 256), split by position (the last ``val_frac`` for validation), and a loader that
-keeps the token stream on the device and cuts it into windows there (no CPU DataLoader).
+"""Text for the language-model task: byte-level text (a ``.txt`` or ``.txt.gz`` file read as
+bytes, vocabulary 256, split by position: the last ``val_frac`` for validation), and the loader of
+it and of token files (runner/token_file.py): the byte stream kept on the device and cut into
+windows there, a token file's windows read from its memory map (no CPU DataLoader either way).
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from distlib.runner.data import DataError
+from distlib.runner.token_file import TokenStream
 
 
 @dataclass
@@ -50,19 +53,26 @@ def load_byte_text(root: str, block_size: int = 256, val_frac: float = 0.05) -> 
 
 class TokenLoader:
     """Batches ``(x, y)`` of (batch_size, block_size) tokens, y being x shifted by one, from this
-    rank's shard of the windows of a token stream held on ``device``.
+    rank's shard of the windows of a token stream: a tensor held on ``device`` (cut there), or a
+    memory-mapped ``TokenStream`` of token files (each step's windows read on the CPU, pinned for
+    the copy to a GPU).
 
     Each pass is one epoch: the windows start at ``offset + i * block_size`` (the offset drawn
     per epoch, so a window's edges move), in an order drawn from ``seed + epoch``, the same on
     every rank, cut into global batches of which each rank takes its slice (as DeviceLoader).
+    The global batch of a step (``batch_size * world_size`` windows) is therefore the same at any
+    world size: a resume at another one continues at the same global sample. ``iter_from(step)``
+    starts a pass at a step without reading the steps before it. ``vocab_size``: a token of a
+    ``TokenStream`` that is not below it is a DataError naming its file.
     """
 
-    def __init__(self, tokens: torch.Tensor, *, block_size: int, batch_size: int, rank: int = 0, world_size: int = 1,
-                 device: torch.device | str = "cpu", seed: int = 0, max_windows: int = 0):  # fmt: skip
+    def __init__(self, tokens: torch.Tensor | TokenStream, *, block_size: int, batch_size: int, rank: int = 0,
+                 world_size: int = 1, device: torch.device | str = "cpu", seed: int = 0, max_windows: int = 0,
+                 vocab_size: int | None = None):  # fmt: skip
         self.device = torch.device(device)
-        self.tokens = tokens.to(self.device)
+        self.tokens = tokens.to(self.device) if isinstance(tokens, torch.Tensor) else tokens
         self.block_size, self.batch_size, self.rank, self.world_size = block_size, batch_size, rank, world_size
-        self.seed, self.epoch = seed, 0
+        self.seed, self.epoch, self.vocab_size = seed, 0, vocab_size
         self.windows = len(tokens) // block_size - 1  # room for any offset and the last target
         if max_windows:
             self.windows = min(self.windows, max_windows)
@@ -78,25 +88,58 @@ class TokenLoader:
         return self.steps_per_epoch
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return self.iter_from(0)
+
+    def starts(self, epoch: int) -> torch.Tensor:
+        """(steps, world_size, batch_size): where every window of ``epoch`` starts, by step and rank."""
+        g = torch.Generator().manual_seed(self.seed + epoch)
         offset = int(torch.randint(0, self.block_size, (), generator=g))
         perm = torch.randperm(self.windows, generator=g)
-        steps, b, t = self.steps_per_epoch, self.batch_size, self.block_size
-        idx = perm[: steps * b * self.world_size].view(steps, self.world_size, b)[:, self.rank].reshape(-1)
-        starts = (offset + idx * t).to(self.device).view(steps, b, 1)
-        span = torch.arange(t + 1, device=self.device)
+        steps, b, w = self.steps_per_epoch, self.batch_size, self.world_size
+        return offset + perm[: steps * b * w].view(steps, w, b) * self.block_size
+
+    def iter_from(self, step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This epoch's batches from ``step`` on (the pass counts as the epoch's)."""
+        starts = self.starts(self.epoch)[:, self.rank]  # at the first batch, as any generator's work
         self.epoch += 1
-        for step in range(steps):  # one gather a step: an epoch of a large corpus need not fit in memory at once
-            w = self.tokens[starts[step] + span].long()
+        yield from self._batches(starts, step)
+
+    def _batches(self, starts: torch.Tensor, step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        t = self.block_size
+        if isinstance(self.tokens, torch.Tensor):
+            starts = starts.to(self.device).unsqueeze(-1)
+            span = torch.arange(t + 1, device=self.device)
+            for s in range(step, len(starts)):  # one gather a step: an epoch need not fit in memory at once
+                w = self.tokens[starts[s] + span].long()
+                yield w[:, :-1], w[:, 1:]
+            return
+        pin = self.device.type == "cuda"
+        for s in range(step, len(starts)):
+            at = starts[s].numpy()
+            windows = self.tokens.gather(at, t + 1)
+            self.tokens.check_vocab(windows, at, self.vocab_size)
+            w = torch.from_numpy(windows)
+            if pin:  # the trainer's copy to the GPU is then asynchronous
+                w = w.pin_memory()
             yield w[:, :-1], w[:, 1:]
 
 
-def eval_windows(tokens: torch.Tensor, block_size: int, rank: int, world_size: int, batch_size: int,
-                 device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+def eval_windows(tokens: torch.Tensor | TokenStream, block_size: int, rank: int, world_size: int, batch_size: int,
+                 device: torch.device,
+                 vocab_size: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
     """This rank's share (windows rank, rank + W, ...) of the non-overlapping windows of ``tokens``:
     over all ranks every window exactly once."""
-    tokens = tokens.to(device)
     n = (len(tokens) - 1) // block_size
+    if not isinstance(tokens, torch.Tensor):
+        idx = np.arange(rank, n, world_size)
+        for i in range(0, len(idx), batch_size):
+            at = idx[i : i + batch_size] * block_size
+            windows = tokens.gather(at, block_size + 1)
+            tokens.check_vocab(windows, at, vocab_size)
+            w = torch.from_numpy(windows).to(device)
+            yield w[:, :-1], w[:, 1:]
+        return
+    tokens = tokens.to(device)
     idx = torch.arange(rank, n, world_size, device=device)
     span = torch.arange(block_size + 1, device=device)
     for i in range(0, idx.numel(), batch_size):

@@ -282,7 +282,9 @@ class Trainer:
             s.epoch_s, s.loss_sum = 0.0, torch.zeros(())
         s.loss_sum = s.loss_sum.to(device)
         t0 = time.perf_counter() - s.epoch_s
-        for x, y in itertools.islice(self.loader, s.step, None):
+        # a loader that can start mid-epoch does so without reading the steps before (a token file)
+        start = getattr(self.loader, "iter_from", None)
+        for x, y in start(s.step) if start else itertools.islice(self.loader, s.step, None):
             if self.stop.check():
                 s.epoch_s = time.perf_counter() - t0
                 self.save_checkpoint()
