@@ -30,7 +30,7 @@ from distlib.distributed.collectives import (
 )
 from distlib.distributed.model_check import ModelMismatchError
 from distlib.distributed.process_group import Context, EnvError, init, shutdown
-from distlib.errors import DistlibError
+from distlib.errors import ArgumentError, DistlibError
 from distlib.log import get_logger
 from distlib.parallel.comm_fallback import Replicas
 from distlib.parallel.grad_sync import GradSync, GradSyncError, GradSyncTimeout
@@ -58,6 +58,7 @@ def __getattr__(name: str):
 __version__ = "0.1.0"  # the one place the version is set (pyproject.toml reads it)
 
 __all__ = [
+    "ArgumentError",
     "CaptureUnsupported",
     "CapturedStep",
     "CheckpointError",

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distlib.errors import ArgumentError
+
 _OPS = {
     "sum": dist.ReduceOp.SUM,
     "mean": dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG
@@ -40,9 +42,9 @@ def _op(op: str, t: torch.Tensor) -> dist.ReduceOp:
     try:
         reduce_op = _OPS[op]
     except KeyError:
-        raise ValueError(f"op must be one of {', '.join(_OPS)}, got {op!r}") from None
+        raise ArgumentError(f"op must be one of {', '.join(_OPS)}, got {op!r}") from None
     if op == "mean" and not (t.is_floating_point() or t.is_complex()):
-        raise ValueError(f"op='mean' needs a floating-point tensor, got {t.dtype}")
+        raise ArgumentError(f"op='mean' needs a floating-point tensor, got {t.dtype}")
     return reduce_op
 
 
@@ -142,7 +144,7 @@ def comm_groups(n: int) -> list[dist.ProcessGroup | None]:
     """
     global _EXTRA_GROUPS
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"comm_groups: n must be an integer >= 1, got {n!r}")
+        raise ArgumentError(f"comm_groups: n must be an integer >= 1, got {n!r}")
     if not active():
         return [None] * n
     world = dist.group.WORLD
@@ -172,7 +174,7 @@ def sync_buffers(module: torch.nn.Module, *, group: dist.ProcessGroup | None = N
     ``replicas`` times the number of ranks. Every rank of ``group`` must call it, in the same order.
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ValueError(f"sync_buffers: replicas must be an integer >= 1, got {replicas!r}")
+        raise ArgumentError(f"sync_buffers: replicas must be an integer >= 1, got {replicas!r}")
     buffers = [b.detach() for b in module.buffers()]
     floats = [b for b in buffers if b.is_floating_point()]
     if not active(group):

@@ -21,7 +21,7 @@ from torch import nn
 from distlib.distributed import collectives
 from distlib.distributed.model_check import ModelMismatchError, check_same_model
 from distlib.distributed.state_broadcast import broadcast_module, broadcast_tensors
-from distlib.errors import DistlibError
+from distlib.errors import ArgumentError, DistlibError
 from distlib.parallel import sharded_optimizer
 from distlib.parallel.buckets import group_tensors
 from distlib.parallel.flat_buffers import FlatBuffers
@@ -142,17 +142,20 @@ class GradSync:
         broadcast_buffers: bool = True,
     ):
         if bucket_mb <= 0 or first_bucket_mb <= 0:
-            raise ValueError(f"bucket sizes must be > 0, got bucket_mb={bucket_mb}, first_bucket_mb={first_bucket_mb}")
+            raise ArgumentError(
+                f"bucket sizes must be > 0, got bucket_mb={bucket_mb}, first_bucket_mb={first_bucket_mb}"
+            )
         if compress not in ("none", "bf16"):
-            raise ValueError(f"compress must be 'none' or 'bf16', got {compress!r}")
+            raise ArgumentError(f"compress must be 'none' or 'bf16', got {compress!r}")
         if isinstance(comm_groups, bool) or not isinstance(comm_groups, int) or comm_groups < 1:
-            raise ValueError(f"comm_groups must be an integer >= 1, got {comm_groups!r}")
+            raise ArgumentError(f"comm_groups must be an integer >= 1, got {comm_groups!r}")
         if shard not in ("none", "optimizer"):
-            raise ValueError(f"shard must be 'none' or 'optimizer', got {shard!r}")
+            raise ArgumentError(f"shard must be 'none' or 'optimizer', got {shard!r}")
         self.shard = shard
         self.layout_version = 0  # bumped by every bucket layout (the sharded optimizer follows it)
         self._marks: torch.Tensor | None = None  # shard="optimizer": every slot's used mark, then the squared norm
         self._sharded_optimizer = None  # shard="optimizer": the ShardedOptimizer built on this GradSync
+        self._grad_versions: tuple[int, ...] | None = None  # shard="optimizer": the buckets' versions after wait()
         self.model = model
         self.bucket_bytes = int(bucket_mb * _MB)
         self.first_bucket_bytes = int(first_bucket_mb * _MB)
@@ -194,7 +197,7 @@ class GradSync:
             return
         devices = {p.device for p in self.params}
         if len(devices) > 1:
-            raise ValueError(f"GradSync needs the model on one device; parameters on {sorted(map(str, devices))}")
+            raise ArgumentError(f"GradSync needs the model on one device; parameters on {sorted(map(str, devices))}")
         self._preflight()
         if broadcast:
             self._broadcast_state()
@@ -300,6 +303,15 @@ class GradSync:
         if self._skip:
             return
         if slot.ready_step == self._step:
+            if self.world_size == 1:
+                # shard="optimizer" at world size 1 (the only case with hooks there): nothing was
+                # communicated, so a second backward before wait() is accumulation, as plain GradSync
+                # takes it there (a loop that sets require_backward_grad_sync only when distributed);
+                # the bucket was filled already: the sum goes there too
+                if slot.param.grad is not slot.view:
+                    with torch.no_grad():
+                        slot.view.copy_(slot.param.grad)
+                return
             raise GradSyncError(
                 f"GradSync: gradient of {self._names.get(id(slot.param), '?')!r} produced twice before "
                 "sync.wait(); call wait() after every synced backward and use `with sync.no_sync():` "
@@ -419,6 +431,8 @@ class GradSync:
             self._follow_requires_grad()
         if not self._rebuilt:
             self._rebuild()
+        if self.shard == "optimizer":
+            sharded_optimizer.watch_grads(self)
 
     def _name(self, p: torch.Tensor) -> str:
         return repr(self._names.get(id(p), "?"))

@@ -112,15 +112,51 @@ def gather_grads(sync: GradSync) -> None:
         _all_gather(b.flat, b.flat[r * c : (r + 1) * c].clone())
 
 
+# ---- gradients changed between wait() and step() -------------------------------------------------
+# After wait(), each parameter's .grad is averaged only in this rank's slice; elsewhere it holds this
+# rank's own gradient. Code that reads whole gradients and writes them back (torch's clip_grad_norm_
+# on the model's parameters: each rank would clip by its own partial norm, the ranks would diverge)
+# cannot be seen when it reads, but its write bumps the buckets' version counters (shared by every
+# gradient view of a bucket's storage): wait() notes them, step() compares. Host-side integers only:
+# no device sync, nothing in a captured graph. At world size 1 the slice is the whole gradient, and
+# torch's clipping is right there: nothing is watched.
+def _versions(sync: GradSync) -> tuple[int, ...]:
+    return tuple(st._version for st in sync._storages)
+
+
+def watch_grads(sync: GradSync) -> None:
+    """Note the gradient buckets' version counters at the end of ``wait()`` (world size > 1)."""
+    sync._grad_versions = _versions(sync) if sync.world_size > 1 else None
+
+
+def check_grads(sync: GradSync, where: str) -> None:
+    """Raise if the averaged gradients were changed in place since ``wait()`` by anything but distlib."""
+    noted = sync._grad_versions
+    if noted is None or noted == _versions(sync):
+        return
+    sync._grad_versions = None  # raised once; the step is not taken
+    raise ShardingError(
+        f"{where}: the gradients were changed in place after sync.wait(). With GradSync(shard='optimizer') "
+        "each parameter's .grad is averaged only in this rank's slice (the sharded optimizer steps that "
+        "slice; the rest is this rank's own gradient), so torch.nn.utils.clip_grad_norm_(model.parameters(), "
+        "...) would clip each rank by a different, partial norm. Call sync.clip_grad_norm_(max_norm) "
+        "instead (the global norm, computed in wait()); a GradScaler's unscale_ cannot check sharded "
+        "gradients either (use bf16, or GradSync(model) without shard)"
+    )
+
+
 @torch.no_grad()
 def clip_shards(sync: GradSync, max_norm: float) -> torch.Tensor:
     """Clip every rank's gradient slice by the global norm reduced in ``wait()`` (torch's formula)."""
+    check_grads(sync, "sync.clip_grad_norm_()")
     sync._clip_max_norm = float(max_norm)  # the ranks shadowing in join() clip alike
     total = sync._marks[-1].sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     shards = [s for s in _shards(sync) if s.numel()]
     if shards:
         torch._foreach_mul_(shards, coef.to(shards[0].dtype))
+    if sync._grad_versions is not None:
+        watch_grads(sync)  # distlib's own change
     return total
 
 
@@ -360,6 +396,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.finish_param_gather()
+        check_grads(self.sync, "ShardedOptimizer.step()")
+        self.sync._grad_versions = None  # this step's gradients are used up
         if self._version != self.sync.layout_version:  # requires_grad changed: GradSync laid out new buckets
             self._build(self._full_state())  # the old pieces still hold the masters and states
         self._inner_step()

@@ -136,11 +136,12 @@ def test_init_without_torchrun_is_world_size_1(no_torchrun):
 
 def test_bad_op_name_is_an_error_even_at_world_size_1(no_torchrun):
     t = torch.ones(2)
-    with pytest.raises(ValueError, match=r"op must be one of sum, mean, max, min, got 'avg'"):
+    with pytest.raises(distlib.ArgumentError, match=r"op must be one of sum, mean, max, min, got 'avg'") as e:
         distlib.all_reduce(t, op="avg")
+    assert isinstance(e.value, ValueError) and isinstance(e.value, distlib.DistlibError)
     with pytest.raises(ValueError, match=r"got 'prod'"):
         distlib.reduce(t, op="prod")
-    with pytest.raises(ValueError, match=r"op='mean' needs a floating-point tensor, got torch.int64"):
+    with pytest.raises(distlib.ArgumentError, match=r"op='mean' needs a floating-point tensor, got torch.int64"):
         distlib.all_reduce(torch.ones(2, dtype=torch.int64), op="mean")
     z = torch.ones(2, dtype=torch.complex64)  # complex tensors average like floating-point ones
     assert distlib.all_reduce(z, op="mean") is z and distlib.reduce(z, op="mean") is z

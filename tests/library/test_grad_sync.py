@@ -348,6 +348,15 @@ def test_comm_groups_bad_values_and_world_size_one():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="comm_groups must be an integer >= 1"):
             GradSync(Net(), comm_groups=bad)
+    # the constructor's and the collectives' argument errors: DistlibErrors, and ValueErrors as before
+    for kwargs in ({"comm_groups": 0}, {"bucket_mb": 0}, {"compress": "fp8"}, {"shard": "full"}):
+        with pytest.raises(distlib.ArgumentError) as e:
+            GradSync(Net(), **kwargs)
+        assert isinstance(e.value, ValueError), kwargs
+    with pytest.raises(distlib.ArgumentError, match="comm_groups: n must be an integer >= 1"):
+        collectives.comm_groups(0)
+    with pytest.raises(distlib.ArgumentError, match="replicas must be an integer >= 1"):
+        collectives.sync_buffers(Net(), replicas=0)
     # world size 1: no group is created, and the step is the plain one
     model = Net()
     sync = GradSync(model, comm_groups=4)

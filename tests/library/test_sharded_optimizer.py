@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlib.parallel.grad_sync import GradSync
+from distlib.parallel.grad_sync import GradSync, GradSyncError
 from distlib.parallel.sharded_optimizer import ShardedOptimizer, ShardingError
 from tests.conftest import run_ranks
 
@@ -586,3 +586,124 @@ def test_bf16_parameters_step_fp32_masters():
         assert res["master_saved"], res
         assert res["diff"] <= 1e-2, res  # one bf16 rounding of the same fp32 master
         assert res["plain_diff"] > 2 * res["diff"], res
+
+
+# ---- torch's own clipping and a world-size-1 accumulation loop -----------------------------------
+def _torch_clip(ctx) -> dict:
+    """torch's clip_grad_norm_ on the model's parameters after wait(): the sharded step refuses it
+    (before any parameter moves); sync.clip_grad_norm_ gives DDP's norm and DDP's clipped step."""
+    torch.manual_seed(0)
+    ref = Net(ctx.rank)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        ddp = DDP(ref, find_unused_parameters=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.manual_seed(0)
+    model = Net(ctx.rank)
+    sync = GradSync(model, shard="optimizer", **TINY)
+    opt = sync.sharded_optimizer(torch.optim.SGD, model.parameters(), lr=0.1)
+    x, y = _batch(0, ctx.rank)
+    F.cross_entropy(ddp(x), y).backward()
+    true_norm = float(nn.utils.clip_grad_norm_(ref.parameters(), 0.1))
+    ref_opt.step()
+    F.cross_entropy(model(x), y).backward()
+    sync.wait()
+    before = [p.detach().clone() for p in model.parameters()]
+    torch_norm = float(nn.utils.clip_grad_norm_(model.parameters(), 0.1))  # this rank's partial view
+    out = {"true": true_norm, "torch": torch_norm}
+    try:
+        opt.step()
+    except ShardingError as e:
+        out["error"] = str(e)
+    out["moved"] = _rel(before, [p.detach() for p in model.parameters()])
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()  # the same step again, clipped as the docs say
+    sync.wait()
+    out["sync"] = float(sync.clip_grad_norm_(0.1))
+    opt.step()
+    out["diff"] = _rel(list(ref.parameters()), list(model.parameters()))
+    return out
+
+
+def test_torch_clip_grad_norm_under_optimizer_sharding_fails_loudly():
+    for res in run_ranks(_torch_clip, 2):
+        assert abs(res["torch"] - res["true"]) > 1e-3 * res["true"], res  # the wrong norm it would clip by
+        assert "sync.clip_grad_norm_(max_norm)" in res.get("error", ""), res
+        assert res["moved"] == 0.0, res
+        assert abs(res["sync"] - res["true"]) <= BOUND * res["true"] and res["diff"] <= BOUND, res
+
+
+def test_torch_clip_grad_norm_at_world_size_one_is_the_plain_result():
+    """At world size 1 the shard is the whole gradient: torch's clipping is right, and allowed."""
+    results = {}
+    for mode in ("plain", "sharded"):
+        torch.manual_seed(0)
+        model = Net()
+        if mode == "plain":
+            sync, opt = None, torch.optim.SGD(model.parameters(), lr=0.1)
+        else:
+            sync = GradSync(model, shard="optimizer", **TINY)
+            opt = sync.sharded_optimizer(torch.optim.SGD, model.parameters(), lr=0.1)
+        for step in range(2):
+            F.cross_entropy(model(_batch(step, 0)[0]), _batch(step, 0)[1]).backward()
+            if sync is not None:
+                sync.wait()
+            nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            opt.step()
+            opt.zero_grad()
+        results[mode] = [p.detach().clone() for p in model.parameters()]
+    assert _rel(results["plain"], results["sharded"]) <= BOUND
+
+
+def _accumulate_when_distributed(ctx, shard: str) -> list[torch.Tensor]:
+    """A script's accumulation loop that sets require_backward_grad_sync only when distributed."""
+    torch.manual_seed(0)
+    model = Net(ctx.rank)
+    sync = GradSync(model, shard=shard, **TINY)
+    if shard == "optimizer":
+        opt = sync.sharded_optimizer(torch.optim.AdamW, _groups(model), lr=0.01)
+    else:
+        opt = torch.optim.AdamW(_groups(model), lr=0.01)
+    accum = 2
+    for step in range(3):
+        x, y = _batch(step, ctx.rank)
+        for k in range(accum):
+            if ctx.world_size > 1:
+                sync.require_backward_grad_sync = k == accum - 1
+            (F.cross_entropy(model(x[2 * k : 2 * k + 2]), y[2 * k : 2 * k + 2]) / accum).backward()
+        sync.wait()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_world_size_one_accepts_what_plain_grad_sync_accepts():
+    class _Ctx:
+        rank, world_size = 0, 1
+
+    plain = _accumulate_when_distributed(_Ctx, "none")
+    sharded = _accumulate_when_distributed(_Ctx, "optimizer")
+    assert _rel(plain, sharded) <= BOUND
+    # and at 2 ranks the same loop trains as the plain one (the flag set there)
+    two = run_ranks(_accumulate_when_distributed, 2, "optimizer")
+    ref = run_ranks(_accumulate_when_distributed, 2, "none")
+    assert _rel(ref[0], two[0]) <= BOUND and _rel(ref[1], two[1]) <= BOUND
+
+
+def _twice_sharded(ctx) -> str | None:
+    model = Net(ctx.rank)
+    sync = GradSync(model, shard="optimizer", **TINY)
+    sync.sharded_optimizer(torch.optim.SGD, model.parameters(), lr=0.1)
+    x, y = _batch(0, ctx.rank)
+    F.cross_entropy(model(x), y).backward()
+    try:
+        F.cross_entropy(model(x), y).backward()
+    except GradSyncError as e:
+        sync.wait()  # keep the ranks' collectives matched before shutdown
+        return str(e)
+    return None
+
+
+def test_backward_twice_without_wait_is_still_an_error_at_two_ranks():
+    for msg in run_ranks(_twice_sharded, 2):
+        assert msg and "produced twice before sync.wait()" in msg, msg
