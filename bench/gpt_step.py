@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node=2 -m bench.gpt_step --sizes 355M,1.5B        # every mode, 2 GPUs
     torchrun --nproc-per-node=2 -m bench.gpt_step --sizes 1.5B,6.7B,10B,13B --modes ddp,fsdp2,zero-redundancy
-    python -m bench.gpt_step --sizes 124M --modes single-compile          # one GPU, no process group
+    python -m bench.gpt_step --sizes 124M                                  # one GPU: every mode, world size 1
 
 The model is ``distlib.runner.gpt.GPT`` (SDPA attention, tied embeddings, no biases) on random
 tokens kept on the device, ``--batch`` sequences of ``--seq-len`` tokens per GPU, AdamW (fused on
@@ -26,7 +26,8 @@ A mode that runs out of GPU memory is reported as "OOM" and the run goes on with
 skips the mode for models with more parameters), so one command finds the largest model each mode
 trains (if only some ranks fail, the ranks can no longer agree on the collectives in flight: the
 run then stops after printing what it has). One JSON line per result as it comes (``--json PATH``
-keeps them all), a table last. Runs on CPU/gloo with tiny
+keeps them all), a table last. Every mode runs at world size 1 (distlib's collectives are no-ops;
+torch's DDP, ZeroRedundancyOptimizer and FSDP2 get a one-rank group). Runs on CPU/gloo with tiny
 sizes (``--device cpu --sizes 2x64 --vocab 256 --seq-len 32``). BENCHMARKS.md, "GPT training step".
 """
 
@@ -211,9 +212,12 @@ def _fsdp2(model_fn: Callable[[], GPT], device: torch.device, compile_blocks: bo
 
 def _build(mode: str, cfg: GPTConfig, args, ctx) -> tuple[Callable[[], None], Callable[[], None]]:
     """(step, close) of one mode; every rank must call it (DDP, GradSync and FSDP2 broadcast or shard)."""
-    device, world, backend = ctx.device, ctx.world_size, args.compile_backend
-    if mode.startswith(("ddp", "zero", "fsdp", "distlib")) and world < 2:
-        raise BenchUnavailable("needs >= 2 ranks (torchrun --nproc-per-node=N)")
+    device, backend = ctx.device, args.compile_backend
+    if mode.startswith(("ddp", "zero", "fsdp2")) and not dist.is_initialized():
+        # world size 1 without torchrun: torch's DDP, ZeroRedundancyOptimizer and FSDP2 need a process
+        # group even for one rank (distlib's modes run without one; shard_model makes its own)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)  # fmt: skip
     graph = mode.endswith("-graph")  # the whole step as one CUDA graph (CapturedStep)
     if graph and device.type != "cuda":
         raise BenchUnavailable("CUDA graphs need a GPU")

@@ -220,6 +220,25 @@ def test_gpt_step_modes_on_two_gloo_ranks(tmp_path):
     assert [r["mode"] for r in saved["results"]] == list(MODES) and saved["environment"]["world_size"] == 2
 
 
+def test_gpt_step_modes_at_world_size_one():
+    """As one process (no torchrun) every mode that runs on the CPU runs: distlib's collectives are
+    no-ops there, torch's DDP, ZeroRedundancyOptimizer and FSDP2 get a one-rank group."""
+    from bench.gpt_step import MODES
+
+    cmd = [sys.executable, "-m", "bench.gpt_step", *GPT_TINY, f"--modes={','.join(MODES)}",
+           "--compile-backend=eager", "--hang-timeout-s=100"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line)["gpt_step"] for line in out.stdout.splitlines() if line.startswith('{"gpt_step"')]
+    assert [r["mode"] for r in rows] == list(MODES)
+    for r in rows:
+        if r["mode"].endswith("-graph"):
+            assert r["note"] == "CUDA graphs need a GPU", r
+        else:
+            assert not r["note"] and r["world"] == 1 and r["tokens_per_s"] > 0, r
+
+
 def test_gpt_step_reports_oom_and_goes_on(monkeypatch):
     """An out-of-memory error (also wrapped by a compiler) is the mode's result, "OOM"; the next mode runs."""
     import types
