@@ -34,7 +34,8 @@ def main(argv: list[str], timeline: Timeline | None = None) -> int:
         trainer.build()
         return trainer.fit()
     except BaseException as e:
-        failure, code = e, exit_code(e, cfg.dist.timeout_s if cfg else 0.0)  # before the teardown (may exit)
+        # before the teardown (may exit); cfg None: the recipe is wrong, the same on every rank
+        failure, code = e, exit_code(e, cfg.dist.timeout_s if cfg else 0.0, before_start=cfg is None)
         if code is None:
             raise
         return code

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -207,6 +208,55 @@ def test_launch_with_a_bad_recipe_exits_2_before_anything_starts(tmp_path):
     assert "initialized" not in proc.stderr  # no process group, no logger set-up
     assert not out_dir.exists()
     assert os.listdir(tmp_path) == ["r.yaml"]  # nothing written anywhere
+
+
+def test_a_config_error_under_torchrun_is_printed_once(tmp_path):
+    """Every rank finds the same error before any process group starts: one rank prints it; the
+    rank's exit status 2 is torchrun's root cause (torchrun itself exits 1 for any failed worker)."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    proc = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node=2", os.path.join(ROOT, "launch.py"),
+         os.path.join(ROOT, "recipes", "demo.yaml"), "train.bogus=1", "train.epochs=x"],
+        capture_output=True, text=True, cwd=tmp_path, env=dict(env, OMP_NUM_THREADS="1"), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("error: invalid configuration") == 1, proc.stderr
+    assert proc.stderr.count("train.bogus: unknown key") == 1 and proc.stderr.count("expected int, got 'x'") == 1
+    root = proc.stderr.split("Root Cause", 1)[1]
+    assert re.search(r"exitcode\s*: 2\b", root), proc.stderr
+    assert os.listdir(tmp_path) == []  # nothing written
+
+
+def test_a_config_error_on_another_local_rank_waits_for_torchrun_then_is_not_lost(monkeypatch, capsys):
+    """Local rank 1 under torchrun prints nothing before torchrun would end it (local rank 0 reports
+    the error); if it is not ended, it prints the error itself. Without torchrun: printed at once."""
+    from distlib.runner import outcome
+
+    class Ended(BaseException):
+        pass
+
+    def ended(seconds: float) -> None:
+        raise Ended  # torchrun's SIGTERM while the rank waits
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(outcome.time, "sleep", ended)
+    with pytest.raises(Ended):
+        outcome.exit_code(ConfigError(["train.x: bad"]), 0.0, before_start=True)
+    assert capsys.readouterr().err == ""
+    waits: list[float] = []
+    monkeypatch.setattr(outcome.time, "sleep", waits.append)
+    assert outcome.exit_code(ConfigError(["train.x: bad"]), 0.0, before_start=True) == 2
+    err = capsys.readouterr().err
+    assert waits == [outcome.PEER_REPORT_WAIT_S] and err.startswith("error: invalid configuration"), err
+    assert err.count("train.x: bad") == 1
+    for env in ({"LOCAL_RANK": "0"}, {"TORCHELASTIC_RUN_ID": None}):
+        for k, v in env.items():
+            monkeypatch.delenv(k) if v is None else monkeypatch.setenv(k, v)
+        waits.clear()
+        assert outcome.exit_code(ConfigError(["train.x: bad"]), 0.0, before_start=True) == 2
+        assert not waits and capsys.readouterr().err.count("train.x: bad") == 1
 
 
 def test_config_cli_validates_and_prints(tmp_path):
