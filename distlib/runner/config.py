@@ -59,7 +59,8 @@ class LossConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = 10  # passes over the training set
+    epochs: int = 10  # passes over the training set; 0 = no limit (then train.max_steps ends the run)
+    max_steps: int = 0  # optimizer steps in all; the run ends at whichever of epochs and max_steps comes first; 0 = off
     batch_size: int = 512  # global: divided evenly over the ranks (causal_lm: sequences of block_size tokens)
     optimizer: Literal["sgd", "adamw"] = "sgd"  # SGD with momentum, or AdamW (fused on CUDA)
     lr: float = 0.4  # peak learning rate for the global batch
@@ -76,7 +77,8 @@ class TrainConfig:
     clip_grad_norm: float = 0.0  # clip the global gradient norm (after averaging) to this; 0 = off
     grad_accum: int = 1  # micro-steps per optimizer step (communication only on the last)
     ema: float = 0.0  # decay of a per-step average of the weights (ramped up early, in the graph); 0 = off
-    eval_every: int = 1  # evaluate every N epochs (the last epoch always)
+    eval_every: int = 1  # evaluate every N epochs (0 = at no epoch's end); the run's last step always
+    eval_every_steps: int = 0  # also evaluate every N optimizer steps (global), mid-epoch too; 0 = off
     tta: bool = True  # flip test-time augmentation in the final evaluation
     tta_translate: int = 0  # with tta: also views shifted by this many pixels (airbench uses 2)
     seed: int = 0  # seeds model init, data order and augmentation
@@ -113,6 +115,7 @@ class RunConfig:
     name: str = ""  # "" = the recipe's file name
     out_dir: str = ""  # "" = runs/<name>
     checkpoint_every: int = 0  # epochs between checkpoints (0 = only at the end)
+    checkpoint_every_steps: int = 0  # also a checkpoint every N optimizer steps (global), mid-epoch too; 0 = off
     keep_checkpoints: int = 3
     resume: bool = True  # continue from the newest checkpoint in out_dir
     progress: Literal["auto", "rich", "plain"] = "auto"  # auto: a live bar on a terminal, plain lines otherwise
@@ -266,10 +269,9 @@ def _parse_override(item: str, problems: list[str]) -> dict | None:
 def _validate(cfg: Config, problems: list[str]) -> None:
     """Checks of values that a type alone does not express."""
     positive = {
-        "train.epochs": cfg.train.epochs,
+        "train.epochs": cfg.train.epochs if not cfg.train.max_steps else None,  # 0: max_steps alone ends the run
         "train.batch_size": cfg.train.batch_size,
         "train.grad_accum": cfg.train.grad_accum,
-        "train.eval_every": cfg.train.eval_every,
         "profile.active": cfg.profile.active,
         "dist.timeout_s": cfg.dist.timeout_s,
         "dist.bucket_mb": cfg.dist.bucket_mb,
@@ -290,6 +292,11 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         "data.augment.crop_pad": cfg.data.augment.crop_pad,
         "data.augment.cutout": cfg.data.augment.cutout,
         "run.checkpoint_every": cfg.run.checkpoint_every,
+        "run.checkpoint_every_steps": cfg.run.checkpoint_every_steps,
+        "train.epochs": cfg.train.epochs if cfg.train.max_steps else None,
+        "train.max_steps": cfg.train.max_steps,
+        "train.eval_every": cfg.train.eval_every,
+        "train.eval_every_steps": cfg.train.eval_every_steps,
         "train.prewarm_steps": cfg.train.prewarm_steps,
         "train.tta_translate": cfg.train.tta_translate,
         "train.clip_grad_norm": cfg.train.clip_grad_norm,

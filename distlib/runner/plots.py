@@ -17,30 +17,32 @@ from typing import Any
 
 
 def plot_curves(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> None:
-    """Write train loss and test accuracy (or validation loss) per epoch (metrics.jsonl rows) to ``path`` (PNG)."""
+    """Write train loss and test accuracy (or validation loss) of metrics.jsonl rows to ``path`` (PNG),
+    over the global step when the rows carry it (rows inside an epoch too), else over the epoch."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(10, 4), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax_loss, ax_acc = fig.subplots(1, 2)
-    epochs = [r["epoch"] for r in rows if r.get("train_loss") is not None]
-    ax_loss.plot(epochs, [r["train_loss"] for r in rows if r.get("train_loss") is not None], marker="o", ms=3)
-    ax_loss.set(xlabel="epoch", ylabel="train loss", title="training loss")
+    at = "step" if rows and all("step" in r for r in rows) else "epoch"
+    trained = [r for r in rows if r.get("train_loss") is not None]
+    ax_loss.plot([r[at] for r in trained], [r["train_loss"] for r in trained], marker="o", ms=3)
+    ax_loss.set(xlabel=at, ylabel="train loss", title="training loss")
     validated = [r for r in rows if r.get("val_loss") is not None]
     if validated:  # a language model: its validation loss
-        ax_acc.plot([r["epoch"] for r in validated], [r["val_loss"] for r in validated], marker="o", ms=3, c="C1")
+        ax_acc.plot([r[at] for r in validated], [r["val_loss"] for r in validated], marker="o", ms=3, c="C1")
         best = min(validated, key=lambda r: r["val_loss"])
-        ax_acc.set(xlabel="epoch", ylabel="validation loss",
-                   title=f"validation loss (best {best['val_loss']:.4f} at epoch {best['epoch']})")  # fmt: skip
+        ax_acc.set(xlabel=at, ylabel="validation loss",
+                   title=f"validation loss (best {best['val_loss']:.4f} at {at} {best[at]})")  # fmt: skip
     evaluated = [r for r in rows if r.get("test_acc") is not None]
     if evaluated or not validated:
-        ax_acc.plot([r["epoch"] for r in evaluated], [100 * r["test_acc"] for r in evaluated], marker="o", ms=3, c="C1")
+        ax_acc.plot([r[at] for r in evaluated], [100 * r["test_acc"] for r in evaluated], marker="o", ms=3, c="C1")
         acc_title = "test accuracy"
         if evaluated:
             best = max(evaluated, key=lambda r: r["test_acc"])
-            acc_title += f" (best {100 * best['test_acc']:.2f}% at epoch {best['epoch']})"
-        ax_acc.set(xlabel="epoch", ylabel="test accuracy (%)", title=acc_title)
+            acc_title += f" (best {100 * best['test_acc']:.2f}% at {at} {best[at]})"
+        ax_acc.set(xlabel=at, ylabel="test accuracy (%)", title=acc_title)
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)

@@ -95,17 +95,24 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
         v = validated[-1]
         out.append(("final validation loss", f"{v['val_loss']:.4f} (perplexity {v['val_ppl']:.2f})"))
     out.append(("final train loss", f"{last['train_loss']:.4f}"))
-    out.append(("epochs", str(last["epoch"])))
+    partial = f" and {last['epoch_step']} steps" if "epoch_step" in last else ""  # ended inside an epoch
+    out.append(("epochs", f"{last['epoch'] - 1}{partial}" if partial else str(last["epoch"])))
+    if "step" in last:
+        out.append(("steps", f"{last['step']:,}"))
+    if "tokens" in last:
+        out.append(("tokens", f"{last['tokens']:,}"))
     if "train_s" in last:
         out.append(("training time", format_duration(last["train_s"])))
     if "elapsed_s" in last:
         out.append(("time with evaluation", format_duration(last["elapsed_s"])))
-    # images/s over the whole run: images seen divided by the time spent training
-    timed = [r for r in rows if r.get("epoch_s") and r.get("images_per_s")]
+    # images/s over the whole run: images seen divided by the time spent training. A row inside an epoch
+    # counts from the epoch's start, as the epoch's next row does: each epoch's last row covers it
+    ends = list({r["epoch"]: r for r in rows}.values())
+    timed = [r for r in ends if r.get("epoch_s") and r.get("images_per_s")]
     if timed:
         images = sum(r["images_per_s"] * r["epoch_s"] for r in timed)
         out.append(("images/s", f"{images / sum(r['epoch_s'] for r in timed):,.0f}"))
-    timed = [r for r in rows if r.get("epoch_s") and r.get("tokens_per_s")]
+    timed = [r for r in ends if r.get("epoch_s") and r.get("tokens_per_s")]
     if timed:
         tokens = sum(r["tokens_per_s"] * r["epoch_s"] for r in timed)
         out.append(("tokens/s", f"{tokens / sum(r['epoch_s'] for r in timed):,.0f}"))
@@ -176,10 +183,12 @@ class TrainingProgress:
         start_epoch: int = 1,
         start_step: int = 0,
         unit: str = "img",
+        total_steps: int | None = None,
     ) -> None:
         """Begin the display; ``images_per_step`` is the global batch (all ranks), counted in
         ``unit`` ("img"; "tok": tokens of the batch's sequences). A resumed run starts at epoch
-        ``start_epoch`` (from 1), ``start_step`` steps into it."""
+        ``start_epoch`` (from 1), ``start_step`` steps into it. ``total_steps``: the run's last
+        step, counted over every epoch (default: ``epochs`` whole epochs); ``epochs`` 0: no limit."""
         if not self.enabled:
             return
         self.unit = unit
@@ -187,7 +196,9 @@ class TrainingProgress:
         self.steps_per_epoch = steps_per_epoch
         self.images_per_step = images_per_step
         self.epoch = start_epoch
-        self.total_steps = max(0, (epochs - start_epoch + 1) * steps_per_epoch - start_step)
+        if total_steps is None:
+            total_steps = epochs * steps_per_epoch
+        self.total_steps = max(0, total_steps - (start_epoch - 1) * steps_per_epoch - start_step)  # in this run
         self.done = 0  # steps in this run
         self.epoch_step = start_step
         self._epoch_first = start_step  # the epoch's steps before this run: not in its rate
@@ -236,9 +247,9 @@ class TrainingProgress:
             self._next_plain = now + self.plain_every_s
             self._print_plain(self._line(now))
 
-    def epoch_end(self, row: dict[str, Any]) -> None:
-        """Report a finished epoch from its metrics row (``epoch``, ``train_loss``,
-        ``test_acc``, ``images_per_s``, ...)."""
+    def epoch_end(self, row: dict[str, Any], ends_epoch: bool = True) -> None:
+        """Report a metrics row (``epoch``, ``train_loss``, ``test_acc``, ``images_per_s``, ...):
+        of a finished epoch, or (``ends_epoch`` False) of an evaluation inside one."""
         if not self._started:
             return
         now = self.clock()
@@ -248,8 +259,9 @@ class TrainingProgress:
             self.acc = value
         rate = row.get("tokens_per_s", row.get("images_per_s", row.get("samples_per_s", 0)))
         mfu = f"  MFU {100 * row['mfu']:.1f}%" if row.get("mfu") is not None else ""
+        where = self._of(row["epoch"]) + ("" if ends_epoch else f" step {row.get('epoch_step')}/{self.steps_per_epoch}")
         line = (
-            f"epoch {row['epoch']}/{self.epochs}  loss {row['train_loss']:.4f}  {label} {value}  "
+            f"epoch {where}  loss {row['train_loss']:.4f}  {label} {value}  "
             f"{rate:,.0f} {self.unit}/s{mfu}  {format_duration(now - self.t_start)} elapsed, "
             f"{format_duration(self._left(now))} left"
         )
@@ -261,10 +273,12 @@ class TrainingProgress:
             self._bar.refresh()
         else:
             self._print_plain(line)
+        self._next_plain = now + self.plain_every_s
+        if not ends_epoch:
+            return
         self.epoch = row["epoch"] + 1
         self.epoch_step = self._epoch_first = 0
         self.t_epoch = now
-        self._next_plain = now + self.plain_every_s
 
     def finish(self, rows: Sequence[dict[str, Any]], timeline: dict[str, Any] | None = None) -> None:
         """Stop the live display and print the summary of ``rows`` (metrics.jsonl), with the
@@ -297,6 +311,10 @@ class TrainingProgress:
 
     # -- formatting ------------------------------------------------------------------
 
+    def _of(self, epoch: int) -> str:
+        """``3/10``; ``3`` when the epochs are not what ends the run."""
+        return f"{epoch}/{self.epochs}" if self.epochs else str(epoch)
+
     def _left(self, now: float) -> float:
         if self.done == 0:
             return float("nan")
@@ -313,7 +331,7 @@ class TrainingProgress:
         rate = self._rate(now)
         loss = self._loss.value
         return {
-            "epoch": f"{self.epoch}/{self.epochs}",
+            "epoch": self._of(self.epoch),
             "step": f"{self.epoch_step}/{self.steps_per_epoch}",
             "rate": "-" if rate != rate else f"{rate:,.0f}",
             "loss": "-" if loss != loss else f"{loss:.4f}",

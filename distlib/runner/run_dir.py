@@ -38,12 +38,17 @@ class RunDir:
                         break
         return rows
 
-    def start_metrics(self, completed_epochs: int) -> None:
-        """Keep the rows of the first ``completed_epochs`` epochs (numbered from 1)
-        and drop the rest, so a resumed run never writes an epoch twice."""
+    def start_metrics(self, completed_epochs: int, step: int | None = None) -> None:
+        """Keep the rows up to where the run resumes and drop the rest, so a resumed run never
+        writes a row twice: those of global steps up to ``step`` (rows carry their ``step``), and
+        of a row without one, those of the first ``completed_epochs`` epochs (numbered from 1)."""
         if not self.is_main:
             return
-        keep = [r for r in self.read_metrics() if r.get("epoch", 0) <= completed_epochs]
+
+        def kept(r: dict[str, Any]) -> bool:
+            return r["step"] <= step if step is not None and "step" in r else r.get("epoch", 0) <= completed_epochs
+
+        keep = [r for r in self.read_metrics() if kept(r)]
         self.write_text("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in keep))
 
     def log_metrics(self, row: dict[str, Any]) -> None:

@@ -32,6 +32,24 @@ def warmup_linear(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupLinear(total_steps, warmup_frac, shape, min_frac))
 
 
+def retarget(scheduler: torch.optim.lr_scheduler.LambdaLR, schedule: WarmupLinear) -> bool:
+    """Put ``schedule`` in place of a resumed scheduler's own (a checkpoint restores the multiplier's
+    attributes, its total steps among them) and set the optimizer's rates to what it gives at the step
+    reached. True when it differed: the budget changed since the checkpoint."""
+    changed = False
+    for fn in scheduler.lr_lambdas:
+        if vars(fn) != vars(schedule):
+            fn.__dict__.update(vars(schedule))
+            changed = True
+    if changed:
+        step = scheduler.last_epoch  # optimizer steps done: the next one runs at this step's rate
+        lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        scheduler._last_lr = lrs  # what get_last_lr() reports
+    return changed
+
+
 def ema_decay(decay: float, step: int) -> float:
     """Decay of the weight EMA's update after optimizer step ``step`` (0-based): ``decay``, ramped
     up as ``(1 + step) / (10 + step)`` early on (TensorFlow's ExponentialMovingAverage with

@@ -74,6 +74,10 @@ class Task:
         """Throughput fields of a metrics row, from the global samples per second."""
         return {}
 
+    def seen(self, samples: int) -> dict[str, Any]:
+        """What a metrics row says has been trained on, from the samples of every step so far."""
+        return {}
+
     def finish(self, model: nn.Module, autocast: contextlib.AbstractContextManager) -> dict[str, Any]:
         """Once training is done, on the main rank: what summary.json adds (and the log shows)."""
         return {}
@@ -263,6 +267,9 @@ class CausalLMTask(Task):
             return {}
         loss = sums[0].item() / sums[1].item()
         return {"val_loss": round(loss, 5), "val_ppl": round(math.exp(min(loss, 50.0)), 4)}
+
+    def seen(self, samples: int) -> dict[str, Any]:
+        return {"tokens": samples * self.block_size}
 
     def rates(self, samples_per_s: float, model: nn.Module) -> dict[str, Any]:
         tokens_per_s = samples_per_s * self.block_size

@@ -35,6 +35,7 @@ from distlib.reliability.failures import abort, describe
 from distlib.reliability.stop import StopSignal
 from distlib.reliability.watchdog import Watchdog
 from distlib.runner import components
+from distlib.runner.budget import Budget
 from distlib.runner.checkpoints import build_checkpoints
 from distlib.runner.config import Config, ConfigError, dump_yaml
 from distlib.runner.environment import bytecode_hint, environment_json
@@ -44,17 +45,19 @@ from distlib.runner.plots import CurvePlot
 from distlib.runner.profiling import StepProfiler
 from distlib.runner.progress import TrainingProgress
 from distlib.runner.run_dir import RunDir
-from distlib.runner.schedule import ema_decay, warmup_linear
+from distlib.runner.schedule import WarmupLinear, ema_decay, retarget, warmup_linear
 from distlib.runner.step import TrainStep, build_step
 from distlib.runner.tasks import Task, build_task
 from distlib.runner.tensorboard_log import TensorBoardLog
 from distlib.runner.throughput import peak_memory_gib
 from distlib.runner.timeline import Timeline
 
-# may change on a resume: they do not change what the weights are
+# may change on a resume: they do not change what the weights are, or (the budget: train.epochs,
+# train.max_steps) the resumed run recomputes its schedule over the new total and says so
 _RESUME_FREE = {
     "train.eval_every", "train.tta", "train.tta_translate", "train.cuda_graph", "train.prewarm_steps",
     "train.cudnn_benchmark", "train.compile", "train.peak_tflops", "train.sample_tokens",
+    "train.epochs", "train.max_steps", "train.eval_every_steps",
 }  # fmt: skip
 
 
@@ -148,7 +151,8 @@ class Trainer:
             self.ema = distlib.EMA(model, ema_decay(t.ema, 0))
             self.step_fn.modules.append(self.ema.module)  # the warm-up puts the average back too
         self.timeline.mark("model")  # model, optimizer, gradient sync, graph set-up
-        self.scheduler = warmup_linear(self.optimizer, t.epochs * len(self.loader), t.warmup_frac, t.schedule,
+        self.budget = Budget.of(cfg, len(self.loader))
+        self.scheduler = warmup_linear(self.optimizer, self.budget.total_steps, t.warmup_frac, t.schedule,
                                        t.min_lr_frac)  # fmt: skip
         dtype = autocast_dtype(t.precision, ctx.device)  # evaluation runs in the training's precision
         self.autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None)
@@ -160,6 +164,7 @@ class Trainer:
             cfg.model.name, self.task.name, count_params(model), self.task.train_size, self.task.eval_size,
             t.batch_size, ctx.world_size, len(self.loader),
         )  # fmt: skip
+        self.log.info("budget: %s", self.budget.describe())
         self.timeline.mark("run_dir")  # config.yaml, environment.json
         if ctx.device.type == "cuda":
             self.warm_up()
@@ -228,30 +233,53 @@ class Trainer:
             fingerprint=fingerprint(self.model, steps_per_epoch=len(self.loader), **resume_settings(cfg)),
             keep=cfg.run.keep_checkpoints, is_main=self.ctx.is_main,
         )  # fmt: skip
-        self.checkpoints.resume(enabled=cfg.run.resume, epochs=cfg.train.epochs)
+        self.checkpoints.resume(enabled=cfg.run.resume, epochs=0)  # whether it is complete: the budget's to say
+        self.resume_budget()
         self.loader.set_epoch(self.state.epoch)
-        self.run.start_metrics(self.state.epoch)
-        # rows from here on are new (metrics.jsonl was trimmed to the checkpoint's epoch): TensorBoard
-        # drops what an earlier run wrote after that epoch's last step, or a resumed epoch would show twice
+        self.run.start_metrics(self.state.epoch, step=self.global_step)
+        # rows from here on are new (metrics.jsonl was trimmed to the checkpoint's step): TensorBoard
+        # drops what an earlier run wrote after that step, or a resumed stretch would show twice
         self.tensorboard = TensorBoardLog(self.run.path, enabled=cfg.run.tensorboard and self.ctx.is_main,
-                                          purge_step=self.state.epoch * len(self.loader) + 1)  # fmt: skip
+                                          purge_step=self.global_step + 1)  # fmt: skip
         self.curves = CurvePlot(os.path.join(self.run.path, "curves.png"), self.run.read_metrics(),
                                 title=cfg.run.name, enabled=self.ctx.is_main)  # fmt: skip
+
+    def resume_budget(self) -> None:
+        """After a resume: the schedule of this run's budget in place of the checkpoint's (a resume may
+        change train.epochs and train.max_steps), and whether anything is left to train."""
+        t, step = self.cfg.train, self.global_step
+        if retarget(self.scheduler, WarmupLinear(self.budget.total_steps, t.warmup_frac, t.schedule, t.min_lr_frac)):
+            if self.ctx.is_main:
+                self.log.warning("the budget changed since the checkpoint: now %s; the learning-rate schedule "
+                                 "is recomputed over it, continuing from step %d", self.budget.describe(),
+                                 step)  # fmt: skip
+        if step and self.budget.done(step) and self.ctx.is_main:
+            self.log.warning("the checkpoint is at step %d, the end of the budget (%s): this run is complete, "
+                             "nothing to do (raise train.epochs or train.max_steps to train on, or set "
+                             "run.resume=false or another run.out_dir to train again)", step,
+                             self.budget.describe())  # fmt: skip
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps done since the run's start, over every epoch (resumes included)."""
+        return self.state.epoch * len(self.loader) + self.state.step
 
     # ---- train ---------------------------------------------------------------------------
 
     def fit(self) -> int:
-        """Train from ``state`` to train.epochs. Returns 0, or the exit code of the signal
-        (SIGTERM/SIGINT) that stopped every rank at one step, after saving a checkpoint there."""
+        """Train from ``state`` to the end of the budget (runner/budget.py). Returns 0, or the exit code
+        of the signal (SIGTERM/SIGINT) that stopped every rank at one step, after saving a checkpoint there."""
         s, t = self.state, self.cfg.train
         self._t_start = time.perf_counter() - s.elapsed_s
         self.stop = StopSignal(timeout_s=self.cfg.dist.timeout_s)
-        self.progress.start(epochs=t.epochs, steps_per_epoch=len(self.loader),
+        by_epochs = self.budget.total_steps == t.epochs * len(self.loader)  # else no "/N" after the epoch shown
+        self.progress.start(epochs=t.epochs if by_epochs else 0, steps_per_epoch=len(self.loader),
                             images_per_step=t.batch_size * self.task.per_sample, start_epoch=s.epoch + 1,
-                            start_step=s.step, unit=self.task.unit)  # fmt: skip
+                            start_step=s.step, unit=self.task.unit,
+                            total_steps=self.budget.total_steps)  # fmt: skip
         self.profiler.start()
         self.timeline.training_started()
-        while s.epoch < t.epochs:
+        while not self.budget.done(self.global_step):
             if not self.train_epoch():
                 return self.stop.exit_code
         self.finish_task()
@@ -265,7 +293,7 @@ class Trainer:
         """One optimizer step (the EMA's update included), the schedule."""
         device = self.ctx.device
         if self.ema is not None:
-            self.ema.set_decay(ema_decay(self.cfg.train.ema, self.state.epoch * len(self.loader) + self.state.step))
+            self.ema.set_decay(ema_decay(self.cfg.train.ema, self.global_step))
         loss = self.step_fn(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
         self.state.loss_sum += loss
         self.state.step += 1
@@ -274,17 +302,20 @@ class Trainer:
         self.progress.step(loss)  # cheap: the loss is read only when the display redraws
 
     def train_epoch(self) -> bool:
-        """Epoch ``state.epoch + 1`` from step ``state.step`` on, its evaluation, metrics row and
-        checkpoint. False when a signal stopped it (a checkpoint of that step is saved)."""
-        s, t, device = self.state, self.cfg.train, self.ctx.device
+        """Epoch ``state.epoch + 1`` from step ``state.step`` on, to its end or the budget's, with the
+        evaluations, metrics rows and checkpoints the budget asks for on the way (``end_of_step``).
+        False when a signal stopped it (a checkpoint of that step is saved)."""
+        s, device, budget = self.state, self.ctx.device, self.budget
         epoch = s.epoch + 1
         if s.step == 0:
             s.epoch_s, s.loss_sum = 0.0, torch.zeros(())
         s.loss_sum = s.loss_sum.to(device)
+        last = min(len(self.loader), budget.total_steps - s.epoch * len(self.loader))  # the budget may end it early
         t0 = time.perf_counter() - s.epoch_s
         # a loader that can start mid-epoch does so without reading the steps before (a token file)
         start = getattr(self.loader, "iter_from", None)
-        for x, y in start(s.step) if start else itertools.islice(self.loader, s.step, None):
+        batches = start(s.step) if start else itertools.islice(self.loader, s.step, None)
+        for x, y in itertools.islice(batches, last - s.step):
             if self.stop.check():
                 s.epoch_s = time.perf_counter() - t0
                 self.save_checkpoint()
@@ -294,41 +325,59 @@ class Trainer:
                                      self.checkpoints.directory)  # fmt: skip
                 return False
             self.train_step(x, y)
-        if device.type == "cuda":
+            if budget.stops_at(self.global_step):
+                self.stop_clock(t0)
+                self.end_of_step()
+                t0 = time.perf_counter() - s.epoch_s  # evaluations and checkpoints are off the epoch's clock
+        return True
+
+    def stop_clock(self, t0: float) -> None:
+        """The epoch's clock (started at ``t0``) up to the last step, which has finished on the device."""
+        if self.ctx.device.type == "cuda":
             torch.cuda.synchronize()
         epoch_s = time.perf_counter() - t0
-        s.train_s += epoch_s
-        self.timeline.add("train", epoch_s)
-        last = epoch == t.epochs
-        evaluated = last or epoch % t.eval_every == 0
-        results = self.evaluate(final=last) if evaluated else dict.fromkeys(self.task.metrics)
-        train_loss = distlib.all_reduce(s.loss_sum, op="mean").item() / len(self.loader)
-        samples_per_s = len(self.loader) * t.batch_size / epoch_s
-        row = {
-            "epoch": epoch,
-            "train_loss": round(train_loss, 5),
-            **results,
-            **self.task.rates(samples_per_s, self.model),
-            "samples_per_s": round(samples_per_s, 1),
-            "epoch_s": round(epoch_s, 3),
-            "train_s": round(s.train_s, 3),
-            "elapsed_s": round(time.perf_counter() - self._t_start, 3),
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "world_size": self.ctx.world_size,
-        }
-        if (memory := peak_memory_gib(device)) is not None:  # a collective, on a GPU
-            row["peak_mem_gib"] = memory
-        self.run.log_metrics(row)  # before the checkpoint: a crash in between rewrites the row, never skips it
-        s.epoch, s.step, s.epoch_s = epoch, 0, 0.0
-        every = self.cfg.run.checkpoint_every
-        if last or (every and epoch % every == 0):
+        self.timeline.add("train", epoch_s - self.state.epoch_s)  # this process's share
+        self.state.epoch_s = epoch_s
+
+    def end_of_step(self) -> None:
+        """What the budget asks for after this step: the evaluation (the final one after the budget's
+        last step), the metrics row (at an evaluation and at an epoch's end), the checkpoint."""
+        s, t, budget = self.state, self.cfg.train, self.budget
+        step, steps = self.global_step, s.step  # global; this epoch's
+        epoch, final, ends_epoch = s.epoch + 1, budget.done(step), s.step == len(self.loader)
+        row = None
+        if ends_epoch or budget.evaluates(step):
+            results = self.evaluate(final=final) if budget.evaluates(step) else dict.fromkeys(self.task.metrics)
+            train_loss = distlib.all_reduce(s.loss_sum.clone(), op="mean").item() / steps
+            samples_per_s = steps * t.batch_size / s.epoch_s
+            row = {
+                "epoch": epoch,  # the epoch this row is in: its end, or ``epoch_step`` steps into it
+                **({} if ends_epoch else {"epoch_step": steps}),
+                "step": step,
+                **self.task.seen(step * t.batch_size),
+                "train_loss": round(train_loss, 5),  # the mean over this epoch's steps so far
+                **results,
+                **self.task.rates(samples_per_s, self.model),
+                "samples_per_s": round(samples_per_s, 1),
+                "epoch_s": round(s.epoch_s, 3),
+                "train_s": round(s.train_s + s.epoch_s, 3),
+                "elapsed_s": round(time.perf_counter() - self._t_start, 3),
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "world_size": self.ctx.world_size,
+            }
+            if (memory := peak_memory_gib(self.ctx.device)) is not None:  # a collective, on a GPU
+                row["peak_mem_gib"] = memory
+            self.run.log_metrics(row)  # before the checkpoint: a crash in between rewrites the row, never skips it
+        if ends_epoch:
+            s.epoch, s.step, s.train_s, s.epoch_s = epoch, 0, s.train_s + s.epoch_s, 0.0
+        if budget.checkpoints(step):
             self.save_checkpoint()
-            if last:
+            if final:
                 self.timeline.mark("checkpoint")  # metrics row and final checkpoint
-        self.progress.epoch_end(row)
-        self.curves.add(row)
-        self.tensorboard.add(row, step=epoch * len(self.loader))
-        return True
+        if row is not None:
+            self.progress.epoch_end(row, ends_epoch=ends_epoch)
+            self.curves.add(row)
+            self.tensorboard.add(row, step=step)
 
     def evaluate(self, final: bool = False) -> dict[str, Any]:
         """The task's metrics (test accuracy; validation loss and perplexity) of the evaluated
@@ -359,7 +408,7 @@ class Trainer:
             return
         if extra.get("sample"):
             self.log.info("sample from the final model:\n%s", extra["sample"])
-            self.tensorboard.add_text("sample", extra["sample"], step=self.state.epoch * len(self.loader))
+            self.tensorboard.add_text("sample", extra["sample"], step=self.global_step)
         rows = self.run.read_metrics()
         final = {k: v for k, v in (rows[-1] if rows else {}).items() if k in self.task.metrics}
         self.timeline.note(task=self.task.name, **{f"final_{k}": v for k, v in final.items()}, **extra)
@@ -368,7 +417,7 @@ class Trainer:
         """A checkpoint of the models, optimizer, schedule and ``state`` (a collective)."""
         s = self.state
         s.elapsed_s = time.perf_counter() - self._t_start
-        self.checkpoints.save(epoch=s.epoch, step=s.step, global_step=s.epoch * len(self.loader) + s.step)
+        self.checkpoints.save(epoch=s.epoch, step=s.step, global_step=self.global_step)
 
     # ---- teardown ------------------------------------------------------------------------
 

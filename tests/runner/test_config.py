@@ -56,7 +56,7 @@ def test_recipe_is_a_directory(tmp_path):
 
 def test_unknown_key_gives_dotted_path_and_valid_keys(tmp_path):
     (p,) = problems(write(tmp_path, "train:\n  epoch: 3\n"))
-    assert p.startswith("train.epoch: unknown key (valid keys here: epochs, batch_size, optimizer, lr,")
+    assert p.startswith("train.epoch: unknown key (valid keys here: epochs, max_steps, batch_size, optimizer, lr,")
     assert p.endswith("; did you mean 'epochs'?")
     (p,) = problems(write(tmp_path, "data:\n  augment:\n    flips: none\n"))
     assert p == "data.augment.flips: unknown key (valid keys here: crop_pad, flip, cutout); did you mean 'flip'?"
@@ -278,7 +278,7 @@ def test_config_cli_validates_and_prints(tmp_path):
 
 # ---- every bounded key: at the bound, just outside, and its type ---------------------------
 POSITIVE = {  # must be > 0
-    "train.epochs": int, "train.batch_size": int, "train.grad_accum": int, "train.eval_every": int,
+    "train.epochs": int, "train.batch_size": int, "train.grad_accum": int,
     "profile.active": int, "dist.timeout_s": float, "dist.bucket_mb": float, "dist.comm_groups": int,
     "model.width": int, "model.num_classes": int, "run.keep_checkpoints": int,
 }  # fmt: skip
@@ -287,6 +287,7 @@ NON_NEGATIVE = {  # must be >= 0
     "data.train_subset": int, "data.augment.crop_pad": int, "data.augment.cutout": int,
     "run.checkpoint_every": int, "train.prewarm_steps": int, "train.tta_translate": int,
     "train.clip_grad_norm": float, "train.peak_tflops": float, "train.sample_tokens": int,
+    "train.max_steps": int, "train.eval_every": int, "train.eval_every_steps": int, "run.checkpoint_every_steps": int,
 }  # fmt: skip
 UNIT = ["train.warmup_frac", "train.ema", "train.label_smoothing", "train.momentum", "train.beta1", "train.beta2",
         "train.min_lr_frac"]  # in [0, 1)  # fmt: skip
@@ -315,6 +316,13 @@ def _numeric_keys() -> dict[str, type]:
 def test_every_numeric_key_has_its_range_tested():
     expected = {**POSITIVE, **NON_NEGATIVE, **dict.fromkeys(UNIT, float), **UNBOUNDED}
     assert _numeric_keys() == expected, "a new numeric key: add it to one of the range tables above"
+
+
+def test_epochs_0_is_no_limit_only_with_max_steps():
+    cfg = load_config(None, ["train.epochs=0", "train.max_steps=100"])
+    assert (cfg.train.epochs, cfg.train.max_steps) == (0, 100)
+    assert problems(None, ["train.epochs=0"]) == ["train.epochs: must be > 0, got 0"]  # nothing would end the run
+    assert problems(None, ["train.epochs=-1", "train.max_steps=100"]) == ["train.epochs: must be >= 0, got -1"]
 
 
 def _get(cfg, key):
