@@ -73,7 +73,7 @@ def test_the_budget_is_the_first_of_its_limits_and_names_its_stops():
     assert [s for s in range(1, 17) if Budget(8, epochs=2, eval_every=0).evaluates(s)] == [16]  # the last only
     assert "train.max_steps" in Budget(8, 0, 30).describe() and "train.epochs=2" in Budget(8, 2, 30).describe()
     with pytest.raises(ValueError):
-        Budget(8, 0, 0).total_steps
+        _ = Budget(8, 0, 0).total_steps
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -141,9 +141,9 @@ def test_a_resume_from_a_step_checkpoint_ends_bit_for_bit_as_the_uninterrupted_r
 @pytest.mark.parametrize(
     "first, then, reached, new_rows",
     [(["train.max_steps=6"], ["train.max_steps=12"], 6, [8, 12]),  # ended 6 steps into epoch 1
-     (["train.epochs=1"], ["train.epochs=2"], 8, [16])],  # ended with epoch 1
+     (["train.epochs=1"], ["train.epochs=2", "train.eval_every_steps=12"], 8, [12, 16])],  # ended with epoch 1
     ids=["max_steps", "epochs"],
-)
+)  # fmt: skip
 def test_a_resume_may_extend_the_budget_and_continues_from_the_step_reached(tmp_path, capfd, first, then, reached,
                                                                            new_rows):  # fmt: skip
     out = tmp_path / "out"
