@@ -89,7 +89,7 @@ def test_demo_recipe_reaches_30_percent_and_writes_config_and_metrics(tmp_path, 
 SAME = ["train.epochs=2", "data.train_subset=1024", "model.width=8", "data.augment.crop_pad=0",
         "data.augment.flip=none", "run.checkpoint_every=1", "dist.backend=gloo", "run.progress=plain",
         f"data.root={os.path.join(ROOT, 'data', 'cifar10-demo')}"]  # fmt: skip
-README_METRICS = {"epoch", "train_loss", "test_acc", "images_per_s", "samples_per_s", "epoch_s", "train_s",
+README_METRICS = {"epoch", "step", "train_loss", "test_acc", "images_per_s", "samples_per_s", "epoch_s", "train_s",
                   "elapsed_s", "lr", "world_size"}  # fmt: skip
 
 
