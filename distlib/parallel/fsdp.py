@@ -1,7 +1,8 @@
 """Full sharding (parameters, gradients, optimizer state) through torch's FSDP2 ``fully_shard``.
 
-``shard_model`` builds the model on the meta device, applies ``fully_shard`` per block and then to
-the root, and materialises each rank's shards only, with the buffers' real values; ``FSDPSync`` is
+``shard_model`` builds the model where it runs (the weights of a plain build with the same seed, at
+every world size), applies ``fully_shard`` per block and then to the root, each rank keeping its
+shards; a model on the meta device is made whole and initialised first. ``FSDPSync`` is
 the step interface GradSync also offers (``no_sync()``, ``wait()``, global-norm clipping), with
 the fixes for FSDP2's known traps (gloo's averaging, accumulation, clipping). Design: docs/sharding.md.
 """
@@ -10,14 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -93,26 +93,77 @@ def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-@torch.no_grad()
-def _initialise(model: nn.Module, init: Callable[[nn.Module], None] | None, mesh: DeviceMesh, seed: int) -> None:
-    """Run the model's own initialisation on this rank's shards.
+def _default_init(model: nn.Module) -> None:
+    """The model's own initialisation: its ``reset_parameters()`` if the root has one (GPT's reaches
+    every layer), else every submodule's (torch's layers)."""
+    if callable(getattr(model, "reset_parameters", None)):
+        model.reset_parameters()
+        return
+    for m in model.modules():
+        if callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
 
-    On GPUs DTensor's offset-based RNG gives each shard its own part of one random stream (every
-    rank seeds the same). DTensor has no such RNG on the CPU: each rank draws from its own stream
-    (seed + rank), so that no shard repeats another's values."""
-    cpu = mesh.device_type == "cpu"
-    devices = [] if cpu else [torch.cuda.current_device()]
-    with torch.random.fork_rng(devices=devices), warnings.catch_warnings():  # the caller's RNG state is kept
-        torch.manual_seed(seed + (mesh.get_local_rank() if cpu else 0))
-        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-        if init is not None:
-            init(model)
-        elif callable(getattr(model, "reset_parameters", None)):
-            model.reset_parameters()
+
+@torch.no_grad()
+def _materialise(model: nn.Module, init: Callable[[nn.Module], None] | None, device: torch.device) -> list[str]:
+    """A model whose parameters are on the meta device, made whole on ``device``: ``to_empty()``,
+    its real buffers' values put back, every floating-point tensor without a value filled with NaN,
+    then ``init(model)`` (or the model's own initialisation). Returns the names of the tensors
+    filled, to be checked for NaN once the initialisation has run."""
+    if not all(p.device.type == "meta" for p in model.parameters()):
+        raise ShardingError("shard_model: some parameters are on the meta device and some are not; build it on one")
+    # buffers computed in __init__ (a causal mask, rotary frequencies) keep their values: to_empty()
+    # would leave garbage in them
+    real = {n: b.detach().clone() for n, b in model.named_buffers() if b.device.type != "meta"}
+    model.to_empty(device=device)
+    filled = []
+    for n, t in [*model.named_parameters(), *model.named_buffers()]:
+        if n in real:
+            t.copy_(real[n])
+        elif t.is_floating_point() or t.is_complex():
+            t.fill_(float("nan"))  # what init leaves as it is shows up, rather than yesterday's memory
+            filled.append(n)
+    (init or _default_init)(model)
+    return filled
+
+
+def _uninitialised(model: nn.Module, names: list[str]) -> list[str]:
+    """Of the tensors ``names``, those holding a NaN (one device synchronisation for them all)."""
+    if not names:
+        return []
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    flags = torch.stack([torch.isnan(tensors[n]).any() for n in names]).tolist()
+    return [n for n, bad in zip(names, flags) if bad]
+
+
+def _build(
+    build: Callable[[], nn.Module] | nn.Module, init: Callable[[nn.Module], None] | None, device: torch.device
+) -> tuple[nn.Module, list[str]]:
+    """The whole model on ``device``, initialised; and the names of the tensors to check for NaN."""
+    if isinstance(build, nn.Module):
+        model = build
+        if is_fully_sharded(model):
+            raise ShardingError(
+                "shard_model: the model is already sharded (fully_shard was applied); pass it unsharded"
+            )
+    elif callable(build):
+        if init is None:  # where it runs, under the caller's random stream: the weights of a plain build
+            with torch.device(device):
+                model = build()
         else:
-            for m in model.modules():
-                if callable(getattr(m, "reset_parameters", None)):
-                    m.reset_parameters()
+            with _parameters_on_meta():
+                model = build()
+        if not isinstance(model, nn.Module):
+            raise ShardingError(f"shard_model: build() returned {type(model).__name__}, not an nn.Module")
+    else:
+        raise ShardingError(f"shard_model: build must be a function returning the model or a model, got {build!r}")
+    if any(p.device.type == "meta" for p in model.parameters()):
+        return model, _materialise(model, init, device)
+    model.to(device)  # a no-op for a model built under torch.device(device)
+    if init is not None:
+        with torch.no_grad():
+            init(model)
+    return model, []
 
 
 def shard_model(
@@ -125,55 +176,50 @@ def shard_model(
     reshard_after_forward: bool = True,
     init: Callable[[nn.Module], None] | None = None,
     device: torch.device | str | None = None,
-    seed: int = 0,
+    seed: int | None = None,
 ) -> nn.Module:
     """The model with ``fully_shard`` applied to each block and then to the root: each rank holds
     1/world of every parameter, gradient and (once the optimizer is built on ``model.parameters()``)
     optimizer state. A collective: every rank must call it, in the same order.
 
-    ``build``: a function that constructs the model (called on every rank with its parameters on
-    the meta device, buffers real), or a model already built (on the meta device, or materialised:
-    then rank 0's weights are broadcast first and each rank keeps its shard). ``blocks`` (modules of
-    the model) or ``block_types`` (classes) name the units sharded one by one, whose parameters are
-    all-gathered just before they run; by default the entries of ``model.blocks`` when there is one.
-    ``param_dtype`` / ``reduce_dtype``: FSDP2's mixed precision (compute and gradient
-    reduce-scatter dtypes; the sharded master weights keep their dtype). ``reshard_after_forward``:
-    free each block's gathered parameters after its forward (ZeRO-3; the last block keeps them, as
-    backward starts with it), or keep them until backward.
+    ``build``: a function that constructs the model, or a model already built (materialised, or
+    with its parameters on the meta device). The same seed gives the same weights as a plain build,
+    in every shard mode and at every world size: without ``init``, ``build()`` runs on ``device``
+    (``with torch.device(device)``) under the caller's random stream, which it leaves where a plain
+    build would. Rank 0's weights are then broadcast and each rank keeps its shard (the whole copy
+    is freed): during the build every device holds one whole copy of the model. With ``init``
+    (``init(model)`` initialises it in place), ``build()`` runs with its parameters on the meta
+    device (buffers real), which are then made whole on ``device``, filled with NaN and given to
+    ``init``; a model passed on the meta device is made whole the same way, by ``init`` or else by
+    its ``reset_parameters()`` (the root's if it has one, else every submodule's). A parameter or
+    buffer still NaN after that raises ShardingError naming it.
+    ``seed``: None, the caller's random stream; an int, ``torch.manual_seed(seed)`` first.
 
-    A meta model is materialised on ``device`` (default: this rank's GPU, else the CPU) shard by
-    shard: ``to_empty()``, then the buffers' constructor values, then ``init(model)`` if given,
-    else ``model.reset_parameters()``, else every submodule's ``reset_parameters()``, under
-    ``torch.manual_seed(seed)`` (the caller's random state restored after). Tied parameters stay
-    tied (FSDP2 keeps one shard for them).
+    ``blocks`` (modules of the model) or ``block_types`` (classes) name the units sharded one by
+    one, whose parameters are all-gathered just before they run; by default the entries of
+    ``model.blocks`` when there is one. ``param_dtype`` / ``reduce_dtype``: FSDP2's mixed precision
+    (compute and gradient reduce-scatter dtypes; the sharded master weights keep their dtype).
+    ``reshard_after_forward``: free each block's gathered parameters after its forward (ZeRO-3; the
+    last block keeps them, as backward starts with it), or keep them until backward. ``device``:
+    default this rank's GPU, else the CPU. Tied parameters stay tied (FSDP2 keeps one shard for them).
     """
     device = torch.device(device) if device is not None else _default_device()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     _ensure_group(device)
-    if isinstance(build, nn.Module):
-        model = build
-    elif callable(build):
-        with _parameters_on_meta():
-            model = build()
-        if not isinstance(model, nn.Module):
-            raise ShardingError(f"shard_model: build() returned {type(model).__name__}, not an nn.Module")
-    else:
-        raise ShardingError(f"shard_model: build must be a function returning the model or a model, got {build!r}")
-    if is_fully_sharded(model):
-        raise ShardingError("shard_model: the model is already sharded (fully_shard was applied); pass it unsharded")
-    on_meta = any(t.device.type == "meta" for t in model.parameters())
-    if on_meta and not all(p.device.type == "meta" for p in model.parameters()):
-        raise ShardingError("shard_model: some parameters are on the meta device and some are not; build it on one")
-    if not on_meta:
-        model.to(device)
-        broadcast_module(model)  # the shards each rank keeps come from one model
-    # buffers: their constructor values (on the host), put back after to_empty()
-    buffers = (
-        {}
-        if not on_meta
-        else {n: b.detach().clone() for n, b in model.named_buffers(remove_duplicate=False) if b.device.type != "meta"}
-    )
+    if seed is not None:
+        torch.manual_seed(seed)
+    model, filled = _build(build, init, device)
+    broadcast_module(model)  # the shards each rank keeps come from one model
+    # after the broadcast: every rank judges rank 0's values, and raises alike
+    if bad := _uninitialised(model, filled):
+        shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        how = "init(model)" if init is not None else f"{type(model).__name__}'s reset_parameters()"
+        raise ShardingError(
+            f"shard_model: {how} left {len(bad)} tensor(s) of the meta-device model uninitialised: {shown}; "
+            "initialise every parameter and buffer in init=, or pass a function that builds the model "
+            "(shard_model(lambda: Model(...))), which builds it whole with its own initialisation"
+        )
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -201,13 +247,6 @@ def shard_model(
                     m.set_force_sum_reduction_for_comms(True)
         else:  # an older torch
             get_logger().warning("shard_model: this torch cannot force SUM reductions on gloo; its AVG is trusted")
-    if on_meta:
-        model.to_empty(device=device)
-        named = dict(model.named_buffers(remove_duplicate=False))
-        with torch.no_grad():
-            for n, b in buffers.items():
-                named[n].copy_(b)
-        _initialise(model, init, mesh, seed)
     return model
 
 

@@ -174,10 +174,12 @@ class Trainer:
 
     def build_model(self) -> torch.nn.Module:
         """The model of model.name with model.args (and what the task provides, when it takes
-        it), on this rank's device: the one place a model is made. With dist.shard=full it is
-        built on the meta device and each rank materialises only its shards (``shard_model``:
-        FSDP2 per entry of the model's ``blocks``, then the root; bf16 weights in the layers
-        with train.precision=bf16 on a GPU, gradients reduced in fp32)."""
+        it), on this rank's device: the one place a model is made. Built directly on the device
+        (``with torch.device(device)``) under the random stream seeded with train.seed, in every
+        dist.shard mode: the same weights in every mode and at every world size. With
+        dist.shard=full ``shard_model`` then keeps this rank's shards (FSDP2 per entry of the
+        model's ``blocks``, then the root; bf16 weights in the layers with train.precision=bf16 on
+        a GPU, gradients reduced in fp32)."""
         cfg, device = self.cfg, self.ctx.device
 
         def build() -> torch.nn.Module:
@@ -190,8 +192,9 @@ class Trainer:
         if cfg.dist.shard == "full":
             dtype = autocast_dtype(cfg.train.precision, device)  # bf16 on a GPU, None (fp32) on the CPU
             return distlib.shard_model(build, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
-                                       device=device, seed=cfg.train.seed)  # fmt: skip
-        model = build().to(device)
+                                       device=device)  # fmt: skip
+        with torch.device(device):  # where it runs: no copy on the host first
+            model = build().to(device)  # .to: a no-op, unless the model put a tensor on a device of its own
         if cfg.model.channels_last:  # changes 4-D (convolution) weights only
             model = model.to(memory_format=torch.channels_last)
         return model
