@@ -1,5 +1,7 @@
-"""dist.shard in the runner: the GPT demo trains to the same losses replicated, with optimizer
-sharding and with full sharding (from the same initial weights), at one and two gloo ranks; a
+"""dist.shard in the runner: the model is built with the same weights (and leaves the same random
+state) in every mode at world size 1, 2 and 3; the GPT demo and the image demo's BatchNorm CNN train
+to the same losses, step by step, replicated, with optimizer sharding and with full sharding, at
+one, two and three gloo ranks (AdamW and SGD, clipped or not, with accumulation); a
 sharded run stopped mid-epoch resumes exactly at the same and at another world size (its step
 position, data order and each rank's loss sum included); a checkpoint of one dist.shard is not
 taken for another's; the combinations that cannot work are ConfigErrors naming the key and the fix.
@@ -72,15 +74,13 @@ def test_the_gpt_recipes_say_their_shard_mode():
 
 
 # ---- the same losses in every mode -------------------------------------------------------------
-def _losses(ctx, shard: str, out_dir: str, start: dict | None, *extra: str) -> tuple[list[float], dict, list[dict]]:
+def _losses(ctx, shard: str, out_dir: str, *extra: str) -> tuple[list[float], dict, list[dict]]:
     """This rank's loss at every step of the tiny GPT demo with ``dist.shard=shard``, the initial
-    weights (``start``: given ones, loaded into the model first) and the metrics rows."""
+    weights (whole) and the metrics rows."""
     # a sample from the final model too: with full sharding every rank runs its forward passes
     cfg = load_config(DEMO, [*TINY, f"dist.shard={shard}", f"run.out_dir={out_dir}", "train.sample_tokens=4", *extra])
     losses = []
     with built(cfg, ctx) as trainer:
-        if start is not None:
-            _load_whole(trainer.model, start)
         initial = _whole(trainer.model)
         trainer.step_fn = Recorded(trainer.step_fn, losses)
         assert trainer.fit() == 0
@@ -114,34 +114,25 @@ def _whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _load_whole(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Whole weights into a model, into this rank's shards when it is sharded."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    copy = {k: v.clone() for k, v in state.items()}  # torch's helper puts the shards into the dict it gets
-    set_model_state_dict(model, copy, options=StateDictOptions(full_state_dict=True))
-
-
-def _run(world_size: int, shard: str, out_dir: str, start: dict | None = None, *extra: str) -> list:
+def _run(world_size: int, shard: str, out_dir: str, *extra: str) -> list:
     if world_size == 1:
-        return [_losses(distlib.init("gloo"), shard, out_dir, start, *extra)]
-    return run_ranks(_losses, world_size, shard, out_dir, start, *extra, timeout=180)
+        return [_losses(distlib.init("gloo"), shard, out_dir, *extra)]
+    return run_ranks(_losses, world_size, shard, out_dir, *extra, timeout=180)
 
 
 SGD = ["train.optimizer=sgd", "train.lr=0.3", "train.momentum=0.9"]  # Nesterov, weight decay on the matrices
 
 
-@pytest.mark.parametrize(("world_size", "optimizer"), [(1, []), (2, []), (2, SGD)], ids=["1-adamw", "2-adamw", "2-sgd"])
+@pytest.mark.parametrize(("world_size", "optimizer"), [(1, []), (2, SGD)], ids=["1-adamw", "2-sgd"])
 def test_sharded_training_has_the_losses_of_replicated_training(tmp_path, world_size, optimizer, world_size_1):
     """Each rank's loss at each of the 16 steps, and the epochs' rows, equal in the three modes,
     with AdamW and with SGD (Nesterov momentum; both with weight decay on the matrices only, the
-    global norm clipped to 1) (full sharding from the replicated run's initial weights: its own initialisation draws
-    differently on the CPU). Tolerance: 1e-5 relative; the modes sum the same gradients in other
-    orders (reduce-scatter, FSDP2's padded shards), which moves the losses by a few 1e-7."""
-    ref = _run(world_size, "none", str(tmp_path / "none"), None, *optimizer)
-    start = ref[0][1]
+    global norm clipped to 1), from the same initial weights (each mode builds its own: the same
+    seed gives the same weights). Tolerance: 1e-5 relative; the modes sum the same gradients in
+    other orders (reduce-scatter, FSDP2's padded shards), which moves the losses by a few 1e-7."""
+    ref = _run(world_size, "none", str(tmp_path / "none"), *optimizer)
     for shard in ("optimizer", "full"):
-        got = _run(world_size, shard, str(tmp_path / shard), start if shard == "full" else None, *optimizer)
+        got = _run(world_size, shard, str(tmp_path / shard), *optimizer)
         for r in range(world_size):
             assert len(got[r][0]) == STEPS
             assert got[r][0] == pytest.approx(ref[r][0], rel=1e-5), (shard, r)
@@ -152,6 +143,105 @@ def test_sharded_training_has_the_losses_of_replicated_training(tmp_path, world_
         assert [row["val_loss"] for row in rows] == pytest.approx([row["val_loss"] for row in want], rel=1e-5)
         assert all(row["world_size"] == world_size for row in rows)
     assert ref[0][0][-1] < ref[0][0][0] - 0.3  # it learns
+
+
+# ---- the same training in every mode, at 2 and 3 ranks: the GPT and a model with BatchNorm --------
+IMAGE_DEMO = os.path.join(ROOT, "recipes", "demo.yaml")
+# one epoch of 8 optimizer steps of 12 samples: 12 divides over 2 and 3 ranks, and each rank's part
+# into 2 micro-batches; blocks (the GPT's two) and parameters split unevenly over 3 ranks (FSDP2 pads)
+SMALL_GPT = ["train.epochs=1", "data.train_subset=96", "model.args.n_layer=2", "model.args.n_embd=24",
+             "model.args.n_head=2", "train.batch_size=12", "train.warmup_frac=0.25", "train.sample_tokens=0",
+             "run.progress=plain"]  # fmt: skip
+SMALL_CNN = ["train.epochs=1", "data.train_subset=96", "model.width=8", "train.batch_size=12", "run.progress=plain"]
+CLIP = ["train.clip_grad_norm=0.25"]  # below the gradients' norm: every step is clipped
+MODE_CASES = {
+    # each model with each optimizer, with and without clipping, with accumulation, at 2 and 3 ranks
+    "gpt-adamw-clip-2ranks": (2, DEMO, [*SMALL_GPT, *CLIP]),
+    "gpt-sgd-accum-3ranks": (3, DEMO, [*SMALL_GPT, *SGD, "train.clip_grad_norm=0", "train.grad_accum=2"]),
+    "cnn-sgd-clip-accum-2ranks": (2, IMAGE_DEMO, [*SMALL_CNN, *CLIP, "train.grad_accum=2"]),
+    "cnn-adamw-3ranks": (3, IMAGE_DEMO, [*SMALL_CNN, "train.optimizer=adamw", "train.lr=3e-3"]),
+}
+
+
+def _trained(ctx, recipe: str, overrides: list[str]) -> tuple[list[float], dict, list[dict]]:
+    """This rank's loss at every optimizer step of one run, its initial weights (whole) and the
+    metrics rows (rank 0)."""
+    cfg = load_config(recipe, overrides)
+    losses: list[float] = []
+    with built(cfg, ctx) as trainer:
+        initial = _whole(trainer.model)
+        trainer.step_fn = Recorded(trainer.step_fn, losses)
+        assert trainer.fit() == 0
+    return losses, initial, metrics(cfg.run.out_dir) if ctx.is_main else []
+
+
+@pytest.mark.parametrize("case", list(MODE_CASES))
+def test_every_shard_mode_trains_alike_step_by_step(tmp_path, case):
+    """dist.shard=none, optimizer and full: the same initial weights, each rank's loss at every
+    step of the epoch within 1e-5 relative, the same epoch row (training loss, and the evaluation:
+    validation loss, or the test accuracy, which the BatchNorm statistics decide)."""
+    world_size, recipe, overrides = MODE_CASES[case]
+    runs = {}
+    for shard in ("none", "optimizer", "full"):
+        args = [*overrides, f"dist.shard={shard}", f"run.out_dir={tmp_path / shard}"]
+        runs[shard] = run_ranks(_trained, world_size, recipe, args, timeout=180)
+    ref = runs["none"]
+    steps = len(ref[0][0])
+    assert steps == 8, steps
+    for shard in ("optimizer", "full"):
+        for r in range(world_size):
+            losses, initial, _ = runs[shard][r]
+            assert losses == pytest.approx(ref[r][0], rel=1e-5), (shard, r)
+            for k, w in ref[r][1].items():
+                torch.testing.assert_close(initial[k], w, rtol=0, atol=0, msg=f"{shard}: initial {k}")
+        (row,), (want,) = runs[shard][0][2], ref[0][2]
+        assert ("val_loss" in want) != ("test_acc" in want), want  # the GPT's evaluation, or the CNN's
+        for key in {"train_loss", "val_loss", "test_acc", "lr"} & want.keys():
+            assert row[key] == pytest.approx(want[key], rel=1e-5), (shard, key)
+        assert row["world_size"] == world_size
+    assert ref[0][0][-1] < ref[0][0][0]  # it learns
+
+
+def _built_models(ctx, recipe: str, overrides: list[str]) -> dict[str, tuple[dict, torch.Tensor]]:
+    """Per shard mode: the model ``Trainer.build_model`` makes (whole weights) and the global random
+    state after it, from train.seed as the trainer seeds it."""
+    from distlib.runner.tasks import build_task
+
+    cfg = load_config(recipe, overrides)
+    trainer = Trainer(cfg, ctx)
+    out = {}
+    try:
+        trainer.task = build_task(cfg, ctx, cfg.train.batch_size // ctx.world_size, trainer.timeline)
+        for shard in ("none", "optimizer", "full"):
+            cfg.dist.shard = shard
+            torch.manual_seed(cfg.train.seed)
+            model = trainer.build_model()
+            out[shard] = (_whole(model), torch.get_rng_state())
+            del model
+    finally:
+        trainer.close()
+    return out
+
+
+@pytest.mark.parametrize("recipe", [DEMO, IMAGE_DEMO], ids=["gpt", "cnn"])
+def test_the_runner_builds_the_same_weights_in_every_mode_at_every_world_size(tmp_path, recipe, world_size_1):
+    """Trainer.build_model at world size 1, 2 and 3 in each dist.shard mode: every weight and buffer
+    of the model equal to the world-size-1 replicated build's (full sharding's gathered), and the
+    random state after it the same, so that what draws from it next (dropout, augmentation) does too."""
+    overrides = [*(SMALL_GPT if recipe == DEMO else SMALL_CNN), f"run.out_dir={tmp_path}"]
+    ref = None
+    for world_size in (1, 2, 3):
+        if world_size == 1:
+            got = [_built_models(distlib.init("gloo"), recipe, overrides)]
+        else:
+            got = run_ranks(_built_models, world_size, recipe, overrides, timeout=180)
+        ref = ref or got[0]["none"]
+        for r, by_mode in enumerate(got):
+            for shard, (weights, rng) in by_mode.items():
+                assert weights.keys() == ref[0].keys()
+                for k, w in ref[0].items():
+                    torch.testing.assert_close(weights[k], w, rtol=0, atol=0, msg=f"{world_size} {shard} {r}: {k}")
+                assert torch.equal(rng, ref[1]), f"random state after the build: world {world_size} {shard} rank {r}"
 
 
 # ---- stopped and resumed: at the same and at another world size ---------------------------------
@@ -184,7 +274,7 @@ def test_a_sharded_run_stopped_mid_epoch_resumes_exactly_at_the_same_and_another
     """The losses after the resume equal the uninterrupted run's (at one rank: the mean of the two
     ranks' losses, the loss of the whole global batch), and so does the epoch's training loss,
     which sums each rank's losses from before the stop (kept per rank in the checkpoint)."""
-    ref = run_ranks(_losses, 2, shard, str(tmp_path / "ref"), None, timeout=180)
+    ref = run_ranks(_losses, 2, shard, str(tmp_path / "ref"), timeout=180)
     out = tmp_path / "out"
     assert run_ranks(_stopped, 2, shard, str(out), timeout=180) == [128 + signal.SIGTERM] * 2
     saved = sorted(os.listdir(out / "checkpoints"))
@@ -194,7 +284,7 @@ def test_a_sharded_run_stopped_mid_epoch_resumes_exactly_at_the_same_and_another
     again = tmp_path / "again"
     shutil.copytree(out, again)
 
-    same = run_ranks(_losses, 2, shard, str(out), None, timeout=180)  # 2 -> 2
+    same = run_ranks(_losses, 2, shard, str(out), timeout=180)  # 2 -> 2
     for r in range(2):
         assert same[r][0] == pytest.approx(ref[r][0][stop:], rel=1e-6), r
     assert [row["train_loss"] for row in same[0][2]] == pytest.approx([row["train_loss"] for row in ref[0][2]],
