@@ -1,11 +1,13 @@
 """Full sharding (``shard_model`` + ``FSDPSync``) against DDP as the oracle, on gloo ranks.
 
-Each oracle case builds the sharded model (on the meta device, materialised shard by shard), copies
-its initial weights (gathered) into a plain model wrapped in DDP in the same processes, trains both
-the same way and compares every parameter after the last step: within 1e-5 relative (max |a - b| /
-max |a| over each tensor). The same run checks the traps: gradients averaged on gloo, the clipping
-norm over the whole model, no reduce-scatter in accumulation micro-batches, the model-state bytes
-each rank holds.
+Each oracle case builds the sharded model with ``shard_model(builder)``, copies its initial weights
+(gathered) into a plain model wrapped in DDP in the same processes, trains both the same way and
+compares every parameter after the last step: within 1e-5 relative (max |a - b| / max |a| over each
+tensor). That tests the step alone; the build is tested by the same cases with DDP over the plain
+build (the builder called under the same seed, no weights copied) and by the comparison of the
+weights and the random state after ``shard_model`` with a plain build's at 1, 2 and 3 ranks. The
+same run checks the traps: gradients averaged on gloo, the clipping norm over the whole model, no
+reduce-scatter in accumulation micro-batches, the model-state bytes each rank holds.
 """
 
 from __future__ import annotations
@@ -95,24 +97,35 @@ def _counting(counts: dict[str, int]):
             setattr(dist, name, fn)
 
 
-def _case(ctx, kind: str, accum: int, clip: float, accumulate: str = "unsharded") -> dict:
+def _case(ctx, kind: str, accum: int, clip: float, accumulate: str = "unsharded", plain: bool = False) -> dict:
+    """``plain``: the DDP model is built on its own (``torch.manual_seed(seed); _gpt()``, as a
+    replicated script does) rather than given the sharded model's initial weights, so that
+    ``shard_model``'s own build is under test too, not only the step."""
     from distlib.parallel.fsdp import FSDPSync, shard_model
 
+    torch.manual_seed(1234)
     model = shard_model(_gpt, device="cpu")
     sync = FSDPSync(model, accumulate=accumulate)
-    start = {n: p.full_tensor() for n, p in model.named_parameters()}
-    ref = _gpt()
-    _load(ref, start)
+    if plain:
+        torch.manual_seed(1234)
+        ref = _gpt()
+    else:
+        start = {n: p.full_tensor() for n, p in model.named_parameters()}
+        ref = _gpt()
+        _load(ref, start)
     ddp = DDP(ref, find_unused_parameters=True)
     opt, ref_opt = _optimizer(kind, model), _optimizer(kind, ref)
     out = {"tied": model.lm_head.weight is model.wte.weight, "no_sync_collectives": 0, "synced_reduce_scatters": 0}
-    norms = []
+    norms, losses = [], []
     for step in range(STEPS):
+        losses.append([0.0, 0.0])
         for k in range(accum):
             last = k == accum - 1
             counts: dict[str, int] = {}
             with _counting(counts), contextlib.nullcontext() if last else sync.no_sync():
-                _loss(model, _batch(ctx.rank, step, k)).div(accum).backward()
+                loss = _loss(model, _batch(ctx.rank, step, k)).div(accum)
+                loss.backward()
+            losses[-1][0] += loss.item()
             if last:
                 out["synced_reduce_scatters"] += counts.get("reduce_scatter_single", 0) + counts.get(
                     "reduce_scatter_tensor", 0
@@ -122,7 +135,9 @@ def _case(ctx, kind: str, accum: int, clip: float, accumulate: str = "unsharded"
                 # nothing reduced yet: the sharded gradients are not there
                 out["no_sync_grads"] = sum(p.grad is not None for p in model.parameters())
             with contextlib.nullcontext() if last else ddp.no_sync():
-                _loss(ddp, _batch(ctx.rank, step, k)).div(accum).backward()
+                ref_loss = _loss(ddp, _batch(ctx.rank, step, k)).div(accum)
+                ref_loss.backward()
+            losses[-1][1] += ref_loss.item()
         sync.wait()
         if step == 0:  # averaged over the ranks, as DDP's (gloo: no silent sum)
             out["grad_diff"] = max(
@@ -138,6 +153,7 @@ def _case(ctx, kind: str, accum: int, clip: float, accumulate: str = "unsharded"
         opt.zero_grad()
         ref_opt.zero_grad()
     out["diff"] = max(_rel(p, model.get_parameter(n).full_tensor()) for n, p in ref.named_parameters())
+    out["loss_diff"] = max(abs(a - b) / abs(b) for a, b in losses)
     out["norm_diff"] = max((_rel(b, a) for a, b in norms), default=0.0)
     out["clipped"] = not clip or any(b.item() > clip for _, b in norms)
     # model state this rank holds: its 1/world of parameters, gradients and optimizer state
@@ -169,6 +185,7 @@ def test_full_sharding_matches_ddp(world):
             print(f"world {world} rank {rank} | {name} | {r}")
             assert r["tied"], name
             assert r["diff"] <= BOUND, (name, r["diff"])
+            assert r["loss_diff"] <= BOUND, (name, r["loss_diff"])
             assert r["grad_diff"] <= BOUND, (name, "gradients not averaged as DDP's", r["grad_diff"])
             assert r["grads_none"] == ["unused.bias", "unused.weight", "wpe.weight"], (name, r["grads_none"])
             assert r["norm_diff"] <= BOUND and r["clipped"], (name, "clipping norm", r["norm_diff"], r["clipped"])
@@ -179,6 +196,27 @@ def test_full_sharding_matches_ddp(world):
                 assert r["no_sync_collectives"] == 0, (name, "collectives in no_sync micro-batches")
                 assert r["no_sync_grads"] == 0, name
             assert abs(r["state_bytes"] / r["formula_bytes"] - 1) <= 0.01, (name, r["state_bytes"], r["formula_bytes"])
+
+
+def _plain_oracle(ctx) -> dict:
+    return {
+        "adamw_accum2_clip": _case(ctx, "adamw", accum=2, clip=0.5, plain=True),
+        "sgd_momentum": _case(ctx, "sgd", accum=1, clip=0.0, plain=True),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shard_model_of_a_builder_trains_as_ddp_over_the_plain_build(world):
+    """``shard_model(builder)`` against DDP over the same builder called plainly under the same seed,
+    each model built on its own (the oracle above gives DDP the sharded model's weights, which tests
+    the step but not the build): every step's loss and the weights after the last within 1e-5
+    relative, at 2 and 3 ranks (3: every parameter split unevenly, FSDP2's padded shards)."""
+    for rank, res in enumerate(run_ranks(_plain_oracle, world, timeout=240)):
+        for name, r in res.items():
+            print(f"world {world} rank {rank} | {name} | loss {r['loss_diff']:.2e} weights {r['diff']:.2e}")
+            assert r["loss_diff"] <= BOUND, (name, "losses", r["loss_diff"])
+            assert r["diff"] <= BOUND, (name, "weights", r["diff"])
+            assert r["clipped"], name
 
 
 class _Buffered(nn.Module):
@@ -197,31 +235,49 @@ class _Buffered(nn.Module):
         return self.norm(x)
 
 
+class _RootReset(_Buffered):
+    """torch's FSDP2 example's trap: the root's ``reset_parameters()`` does not reach its layers."""
+
+    def reset_parameters(self) -> None:
+        self.norm.reset_parameters()
+
+
+def _whole(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: t.full_tensor() if hasattr(t, "full_tensor") else t.clone() for n, t in model.state_dict().items()}
+
+
 def _init_checks(ctx) -> dict:
     from distlib.parallel.fsdp import ShardingError, shard_model
 
     out: dict = {}
-    # buffers keep their constructor values through meta init; default reset_parameters per module
-    rng = torch.get_rng_state()
+    # a builder: the weights, buffers and random state after it of a plain build under the same stream
+    torch.manual_seed(5)
     model = shard_model(_Buffered, block_types=[nn.Linear], device="cpu")
-    out["rng_kept"] = torch.equal(rng, torch.get_rng_state())
+    out["buffered"], out["buffered_rng"] = _whole(model), torch.get_rng_state()
     out["mask"] = torch.equal(model.mask, torch.tril(torch.ones(8, 8)) * 3.0)
     out["scale"] = torch.equal(model.scale, torch.arange(8.0))
-    out["norm_ones"] = torch.equal(model.norm.weight.full_tensor(), torch.ones(8))
-    w = model.layers[0].weight.full_tensor()
-    out["finite"] = bool(torch.isfinite(w).all()) and w.abs().max().item() <= 1 / 8**0.5 + 1e-6
-    out["shards_differ"] = ctx.world_size == 1 or not torch.equal(w[:4], w[4:])
-    # a GPT through its own reset_parameters: every rank gathers the same model
-    gpt = shard_model(lambda: GPT(CFG), device="cpu")
-    out["gpt"] = {n: p.full_tensor() for n, p in gpt.named_parameters()}
-    out["gpt_ln_ones"] = torch.equal(gpt.blocks[0].ln_1.weight.full_tensor(), torch.ones(CFG.n_embd))
-    out["gpt_std"] = gpt.wte.weight.full_tensor().std().item()
-    # a model already built: rank 0's weights, whatever each rank built
+    # seed=: torch.manual_seed(seed) first; a GPT through its own initialisation
+    torch.manual_seed(99)
+    gpt = shard_model(lambda: GPT(CFG), device="cpu", seed=0)
+    out["gpt"], out["gpt_rng"] = _whole(gpt), torch.get_rng_state()
+
+    # init=: the parameters on the meta device, made whole, init(model) on the whole (unsharded)
+    # tensors; the buffers keep their constructor values
+    def init(m: nn.Module) -> None:
+        for layer in m.layers:
+            layer.weight.copy_(torch.arange(64.0).view(8, 8))
+            layer.bias.zero_()
+        m.norm.reset_parameters()
+
+    inited = shard_model(_Buffered, block_types=[nn.Linear], device="cpu", init=init)
+    out["init_whole"] = torch.equal(inited.layers[1].weight.full_tensor(), torch.arange(64.0).view(8, 8))
+    out["init_buffers"] = torch.equal(inited.mask, torch.tril(torch.ones(8, 8)) * 3.0)
+    # a model passed built: rank 0's weights, whatever each rank built
     torch.manual_seed(ctx.rank)
     built = _Buffered()
     rank0 = [t.clone() for t in built.state_dict().values()]
     sharded = shard_model(built, blocks=list(built.layers), device="cpu")
-    out["built"] = {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in sharded.state_dict().items()}
+    out["built"] = list(_whole(sharded).values())
     out["rank0_values"] = rank0
     errors = []
     for bad in (
@@ -234,26 +290,60 @@ def _init_checks(ctx) -> dict:
         except ShardingError as e:
             errors.append(str(e))
     out["errors"] = errors
+
+    # left uninitialised: named, on every rank alike
+    def partial(m: nn.Module) -> None:  # forgets the norm
+        for layer in m.layers:
+            layer.reset_parameters()
+
+    with torch.device("meta"):
+        meta = _RootReset()
+    uninitialised = []
+    for bad in (
+        lambda: shard_model(_Buffered, block_types=[nn.Linear], device="cpu", init=partial),
+        lambda: shard_model(meta, block_types=[nn.Linear], device="cpu"),
+    ):
+        try:
+            bad()
+            uninitialised.append("")
+        except ShardingError as e:
+            uninitialised.append(str(e))
+    out["uninitialised"] = uninitialised
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_meta_init_buffers_and_same_weights(world):
-    """Built on the meta device: buffers (a non-persistent one too) hold their constructor values,
-    parameters their init (no garbage, no shard repeating another); every rank gathers the same
-    model; a model passed built is rank 0's on every rank; the caller's random state is kept; bad
-    arguments raise ShardingError."""
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_shard_model_builds_the_plain_builds_weights_at_every_world_size(world):
+    """A builder gives the weights and buffers of the same builder called plainly under the same
+    random stream (``seed=``: after ``torch.manual_seed(seed)``), and leaves the random state where
+    the plain build does; buffers (a non-persistent one too) hold their constructor values;
+    ``init=`` runs on the whole tensors; a model passed built is rank 0's on every rank; what an
+    init leaves uninitialised (a forgotten layer, a root ``reset_parameters()`` that does not reach
+    the layers, a buffer made on the meta device) is a ShardingError naming it; bad arguments raise
+    ShardingError."""
+    torch.manual_seed(5)
+    plain, plain_rng = _Buffered().state_dict(), torch.get_rng_state()
+    torch.manual_seed(0)
+    plain_gpt, plain_gpt_rng = GPT(CFG).state_dict(), torch.get_rng_state()
     res = run_ranks(_init_checks, world, timeout=240)
     for r in res:
         assert r["mask"] and r["scale"], "a buffer lost its constructor value"
-        assert r["rng_kept"], "shard_model changed the caller's random state"
-        assert r["norm_ones"] and r["finite"] and r["shards_differ"]
-        assert r["gpt_ln_ones"] and 0.015 < r["gpt_std"] < 0.025, r["gpt_std"]
+        assert r["init_whole"] and r["init_buffers"]
+        for got, want in ((r["buffered"], plain), (r["gpt"], plain_gpt)):
+            assert got.keys() == want.keys()
+            for n, t in want.items():
+                assert torch.equal(got[n], t), n
+        assert torch.equal(r["buffered_rng"], plain_rng), "the random state after shard_model is not a plain build's"
+        assert torch.equal(r["gpt_rng"], plain_gpt_rng), "the random state after shard_model(seed=0)"
         assert len(r["errors"]) == 3, r["errors"]
-        for n, t in r["gpt"].items():
-            assert torch.equal(t, res[0]["gpt"][n]), n
-        for t, want in zip(r["built"].values(), res[0]["rank0_values"]):
+        for t, want in zip(r["built"], res[0]["rank0_values"]):
             assert torch.equal(t, want)
+        forgot, root = r["uninitialised"]
+        assert "init(model) left 2 tensor(s)" in forgot and "norm.weight, norm.bias" in forgot, forgot
+        assert "_RootReset's reset_parameters() left 6 tensor(s)" in root, root
+        for name in ("layers.0.weight", "layers.1.bias", "mask", "scale"):
+            assert name in root, (name, root)
+        assert "norm.weight" not in root and "init=" in root, root
 
 
 def _capture_refused(ctx) -> list[str]:
@@ -289,15 +379,16 @@ def test_captured_step_refuses_a_sharded_model():
 
 def _on_gpus(ctx) -> dict:
     """bf16 mixed precision (fp32 reduce) on NCCL against DDP under bf16 autocast: close, not equal
-    (FSDP2 also runs the norms and the logits in bf16). SGD: updates proportional to the gradients."""
+    (FSDP2 also runs the norms and the logits in bf16). SGD: updates proportional to the gradients.
+    Each model built on its own from the same seed, on the GPU."""
     from distlib.parallel.fsdp import FSDPSync, shard_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    model = shard_model(_gpt, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = shard_model(_gpt, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, seed=0)
     sync = FSDPSync(model)
-    start = {n: p.full_tensor() for n, p in model.named_parameters()}
-    ref = _gpt().to(ctx.device)
-    _load(ref, start)
+    torch.manual_seed(0)
+    with torch.device(ctx.device):  # built on the GPU, as shard_model builds: the same weights
+        ref = _gpt()
     ddp = DDP(ref, device_ids=[ctx.device.index], find_unused_parameters=True)
     opt, ref_opt = _optimizer("sgd", model), _optimizer("sgd", ref)
     losses = []
