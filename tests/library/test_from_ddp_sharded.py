@@ -161,7 +161,7 @@ def _fsdp2_original(rank: int) -> list[float]:
 def _fsdp2_port(rank: int, directory: str) -> list[float]:
     def build():
         torch.manual_seed(0)
-        model = distlib.shard_model(GPT())
+        model = distlib.shard_model(GPT)  # built as the original builds it, then sharded
         return model, distlib.FSDPSync(model), torch.optim.Adam(model.parameters(), lr=1e-2)
 
     model, sync, opt = build()
