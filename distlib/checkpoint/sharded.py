@@ -34,13 +34,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from distlib.checkpoint.checkpointer import CheckpointError, differences
-from distlib.distributed import collectives
+from distlib.distributed import collectives, process_group
 from distlib.log import get_logger
 
 FORMAT = "distlib-sharded-checkpoint"
 VERSION = 1
 MARKER = "commit.json"
 _NAME = re.compile(r"^step(\d{9})$")
+# the checkpointers with an asynchronous save in flight: kept alive until it is committed (shutdown()
+# holds its hooks weakly, and a save must not be lost with a checkpointer the caller let go of)
+_IN_FLIGHT: set[ShardedCheckpointer] = set()
 _PARTIAL = re.compile(r"^\.partial-step(\d{9})$")
 
 
@@ -175,6 +178,8 @@ class ShardedCheckpointer:
         self._group: dist.ProcessGroup | None = None
         self._writer: tuple[dcp.FileSystemWriter, list[Any]] | None = None  # the async writer, for this layout
         self._pending: tuple[int, str, dict[str, Any], threading.Thread | None, dict[str, Any]] | None = None
+        # distlib.shutdown() (and the exit hook) commit a save still in flight, and drop this object's group
+        process_group.on_shutdown(self._at_shutdown)
 
     # ---- directory --------------------------------------------------------------------
 
@@ -271,6 +276,7 @@ class ShardedCheckpointer:
             thread = threading.Thread(target=finish, name="distlib-checkpoint", daemon=True)
             thread.start()
             self._pending = (step, partial, marker, thread, files)
+            _IN_FLIGHT.add(self)
             return
         try:
             dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), process_group=self._pg())
@@ -289,6 +295,7 @@ class ShardedCheckpointer:
             return
         step, partial, marker, thread, files = self._pending
         self._pending = None
+        _IN_FLIGHT.discard(self)
         if thread is not None:
             thread.join()
         error = files.pop("error", None)
@@ -323,6 +330,26 @@ class ShardedCheckpointer:
     def close(self) -> None:
         """Commit the save in flight, if any. A collective: every rank must call it, in the same order."""
         self.wait()
+
+    def _at_shutdown(self, together: bool) -> None:
+        """``distlib.shutdown()``'s call: commit the save in flight when every rank shuts down alike
+        (``together``), else finish this rank's write only (its files complete, the checkpoint
+        uncommitted: committing needs every rank); then drop the group, destroyed next."""
+        try:
+            if together:
+                self.wait()
+            elif self._pending is not None:
+                step, partial, _, thread, _ = self._pending
+                self._pending = None
+                _IN_FLIGHT.discard(self)
+                if thread is not None:
+                    thread.join()
+                get_logger().warning(
+                    "the checkpoint of step %d in %s is not committed: shutdown after a failure, and a commit "
+                    "needs every rank; the previous checkpoint stays the one a resume loads", step, partial,
+                )  # fmt: skip
+        finally:
+            self._group, self._writer = None, None
 
     # ---- load -----------------------------------------------------------------------------
 

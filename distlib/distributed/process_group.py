@@ -246,6 +246,42 @@ def context() -> Context | None:
     return _CONTEXT
 
 
+_SHUTDOWN_HOOKS: list[weakref.WeakMethod] = []
+
+
+def on_shutdown(method: Callable[[bool], None]) -> None:
+    """Have ``shutdown()`` (and the exit hook) call ``method(together)`` before it tears anything
+    down, while the method's object lives (it is held weakly), in the order of registration.
+
+    ``together`` is True when every rank shuts down cleanly (no exception propagating): the method
+    may then run collectives, which every rank reaches in the same order as every rank registered
+    the same objects in the same order. False after a failure: local work only (a peer may be gone).
+    ShardedCheckpointer registers itself here, to commit a save still in flight.
+    """
+    global _atexit_registered
+    _SHUTDOWN_HOOKS[:] = [h for h in _SHUTDOWN_HOOKS if h() is not None]
+    _SHUTDOWN_HOOKS.append(weakref.WeakMethod(method))
+    if not _atexit_registered:  # also at world size 1 without a group: a save in flight is finished at exit
+        atexit.register(_shutdown_at_exit)
+        _atexit_registered = True
+
+
+def _run_shutdown_hooks(together: bool) -> list[tuple[type[Exception], str]]:
+    """Call the live hooks (each once: they are dropped); the failures' types and texts (not the
+    exceptions: their frames may hold a group)."""
+    hooks = [h() for h in _SHUTDOWN_HOOKS]
+    _SHUTDOWN_HOOKS.clear()
+    failures = []
+    for hook in hooks:
+        if hook is None:
+            continue
+        try:
+            hook(together)
+        except Exception as e:
+            failures.append((type(e), str(e)))
+    return failures
+
+
 def shutdown(*, barrier: bool | None = None) -> None:
     """Tear the process group down; safe to call twice, or without ``init()``.
 
@@ -254,6 +290,11 @@ def shutdown(*, barrier: bool | None = None) -> None:
     wait unless an exception is propagating, since a failed peer may never
     arrive and torchrun stops the job once this rank exits. A collective when
     it waits: every rank must call it, in the same order.
+
+    First an asynchronous save still in flight (``ShardedCheckpointer.save(..., async_=True)``
+    without ``wait()`` or ``close()``) is finished: committed when every rank shuts down alike
+    (with the barrier), else only written by this rank and left uncommitted (a warning says so).
+    A save that fails raises CheckpointError here, once the group is torn down.
 
     Why the group must really be destroyed here (the gloo abort at exit): a
     gloo worker thread drops its reference to a finished collective *after*
@@ -265,27 +306,35 @@ def shutdown(*, barrier: bool | None = None) -> None:
     actually destroys the ProcessGroupGloo, whose destructor joins the worker
     threads with the GIL released. A group still referenced elsewhere keeps its
     threads alive: default arguments of torch.distributed.nn.functional (see
-    ``init()``; released here), the frames of a failed collective (cleared
-    here), a DistributedDataParallel model or a stored group handle (reported).
+    ``init()``; released here), torch's device meshes and FSDP2's modules (a
+    ``shard_model`` or ``fully_shard`` model; released here), the frames of a
+    failed collective (cleared here), a DistributedDataParallel model or a stored
+    group handle (reported).
     """
+    if barrier is None:
+        barrier = sys.exc_info()[0] is None
+    _teardown(barrier=barrier, together=barrier)
+
+
+def _teardown(*, barrier: bool, together: bool) -> None:
     global _CONTEXT
+    hook_failures = _run_shutdown_hooks(together)  # before anything is torn down: a commit is a collective
     _CONTEXT = None
     for hook in list(_BEFORE_SHUTDOWN):  # e.g. cuda_graph's release_graphs, registered when it is imported
         hook()
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    if barrier is None:
-        barrier = sys.exc_info()[0] is None
     failure = None
-    if barrier:
-        try:
-            _final_barrier()
-        except Exception as e:  # a peer gone or stalled; keep only the text, the frames hold the group
-            failure = f"{type(e).__name__}: {e}"
-    collectives.forget_groups()
-    _destroy()
+    if dist.is_available() and dist.is_initialized():
+        if barrier:
+            try:
+                _final_barrier()
+            except Exception as e:  # a peer gone or stalled; keep only the text, the frames hold the group
+                failure = f"{type(e).__name__}: {e}"
+        collectives.forget_groups()
+        _destroy()
     if failure is not None:
         raise RuntimeError(f"not every rank reached the final barrier of shutdown(): {failure}")
+    if hook_failures:  # raised as the first one's type (a save's CheckpointError)
+        raise hook_failures[0][0]("; ".join(text for _, text in hook_failures))
 
 
 def _final_barrier() -> None:
@@ -300,13 +349,21 @@ def _final_barrier() -> None:
         dist.barrier()
 
 
+def _all_groups() -> list[dist.ProcessGroup]:
+    """Every group started so far (the default one and those of ``new_group``)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_map", None) or {})
+    return groups or ([dist.group.WORLD] if dist.group.WORLD is not None else [])
+
+
 def _destroy() -> None:
     group = dist.group.WORLD
     alive = weakref.ref(group) if group is not None else None
+    groups = [weakref.ref(g) for g in _all_groups()]
     del group
     dist.destroy_process_group()
-    if alive is not None and alive() is not None:
-        _release_known_holders(alive())
+    if any(g() is not None for g in groups):
+        _release_holders([ref() for ref in groups])  # a function: no local name here keeps a group
         # The frames of a failed collective, kept by the exception in flight, or a reference cycle
         # may be what holds it; the traceback still prints without the frames' locals.
         if sys.exc_info()[2] is not None:
@@ -321,6 +378,43 @@ def _destroy() -> None:
         )
 
 
+def _release_holders(groups: list[dist.ProcessGroup | None]) -> None:
+    dead = [g for g in groups if g is not None]
+    for group in dead:
+        _release_known_holders(group)
+    _release_meshes({id(g) for g in dead})
+
+
+def _release_meshes(dead: set[int]) -> None:
+    """Drop the destroyed groups that torch's device meshes and FSDP2's objects keep.
+
+    ``destroy_process_group()`` forgets its groups, but a ``DeviceMesh`` keeps those of its
+    dimensions (``_pg_registry``, where torch has it) and FSDP2's per-module mesh info keeps its
+    mesh's (``shard_process_group``, ``reduce_scatter_process_group``, ...): every model made by
+    ``shard_model`` (or ``fully_shard``) and every DTensor's mesh holds the group for as long as the
+    model lives. The meshes are found among the objects the garbage collector tracks (a mesh's
+    dict of groups is not tracked itself: ``gc.get_referrers`` does not see it). The model stays
+    usable for what needs no communication (its local shards, ``to_local()``); a new ``init()``
+    cannot revive it.
+    """
+    if "torch.distributed.device_mesh" not in sys.modules:
+        return  # neither a mesh nor FSDP2 was used
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():
+        kind = type(obj)  # not isinstance(): it reads obj.__class__, which some of torch's objects warn about
+        fsdp = str(getattr(kind, "__module__", "")).startswith("torch.distributed.fsdp._fully_shard")
+        if not (fsdp or issubclass(kind, DeviceMesh)):
+            continue
+        attributes = getattr(obj, "__dict__", None)
+        for name, value in list(attributes.items()) if isinstance(attributes, dict) else ():
+            if isinstance(value, dist.ProcessGroup) and id(value) in dead:
+                attributes[name] = None
+            elif isinstance(value, dict):
+                for key in [k for k, v in value.items() if isinstance(v, dist.ProcessGroup) and id(v) in dead]:
+                    del value[key]
+
+
 def _release_known_holders(group: object) -> None:
     """Reset default arguments that captured ``group`` (torch.distributed.nn.functional, when it was
     imported after the group started) to None, which means the default group, as they did."""
@@ -333,6 +427,12 @@ def _release_known_holders(group: object) -> None:
 
 def _shutdown_at_exit() -> None:
     """A script that never called ``shutdown()``: destroy the group while the
-    interpreter is still whole (no barrier: the peers may be gone)."""
-    if dist.is_available() and dist.is_initialized():
-        shutdown(barrier=False)
+    interpreter is still whole (no barrier: the peers may be gone). A save still in
+    flight is committed when the script ended without an uncaught exception (every
+    rank that saved exits alike: the commit is a collective)."""
+    clean = getattr(sys, "last_value", None) is None  # set when the interpreter printed an uncaught exception
+    if _SHUTDOWN_HOOKS or (dist.is_available() and dist.is_initialized()):
+        try:
+            _teardown(barrier=False, together=clean)
+        except Exception as e:  # nothing to raise to at exit
+            get_logger().error("at exit: %s", e)

@@ -178,3 +178,65 @@ def test_shutdown_releases_group_defaults_captured_by_torch_distributed_nn():
     for captured, destroyed, default in run_ranks(_functional_imported_after_init, 2):
         assert captured  # the hazard is real
         assert destroyed and default is None
+
+
+# ---- scripts that end as users' do: torchrun, a real interpreter exit -------------------------------
+def _script(mode: str, ckpt_dir: str = "", **env: str) -> str:
+    """tests/library/shutdown_rank.py at 2 gloo ranks under torchrun; its output (stdout and stderr)."""
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         os.path.join(ROOT, "tests", "library", "shutdown_rank.py")],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "MODE": mode, "CKPT_DIR": ckpt_dir, **env},
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "terminate called" not in out, out[-3000:]
+    return out
+
+
+def test_shutdown_after_full_sharding_releases_the_group_fsdp2_keeps():
+    """FSDP2's mesh info of every sharded module and torch's DeviceMesh keep the group after
+    destroy_process_group(): shutdown() releases them, so no rank reports a group still held."""
+    out = _script("fsdp")
+    assert "still referenced after shutdown" not in out, out[-3000:]
+
+
+def _saves_async_and_shuts_down(ctx, directory: str) -> None:
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    distlib.ShardedCheckpointer(directory).save(3, {"model": model, "optimizer": opt}, async_=True)
+    distlib.shutdown()  # no wait(), no close()
+
+
+def _committed_step(directory) -> int | None:
+    """The step a resume finds in ``directory`` (this process, world size 1)."""
+    return distlib.ShardedCheckpointer(str(directory)).resume({"model": torch.nn.Linear(4, 4)})
+
+
+def test_an_async_save_in_flight_is_committed_by_shutdown(tmp_path):
+    """save(..., async_=True) and then shutdown() without close(): the checkpoint is committed,
+    not left partial, and a resume loads it."""
+    run_ranks(_saves_async_and_shuts_down, 2, str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["step000000003"], os.listdir(tmp_path)
+    assert _committed_step(tmp_path) == 3
+
+
+def test_an_async_save_in_flight_is_committed_by_the_exit_hook(tmp_path):
+    """The same save, and the script ends without shutdown() or close(): distlib's exit hook commits it."""
+    _script("async-atexit", str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["step000000003"], os.listdir(tmp_path)
+    ck = distlib.ShardedCheckpointer(str(tmp_path))
+    assert ck.resume({"model": shutdown_rank_net()}) == 3
+
+
+def shutdown_rank_net() -> torch.nn.Module:
+    """The model of shutdown_rank.py."""
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
