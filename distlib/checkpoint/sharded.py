@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
 import sys
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -25,7 +26,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -141,7 +144,9 @@ def _state_dicts(objects: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _load_into(objects: Mapping[str, Any], states: Mapping[str, Any]) -> None:
-    for name, obj in objects.items():
+    # the modules first: a ShardedOptimizer whose checkpoint has no fp32 masters (a plain optimizer's)
+    # takes them from its parameters
+    for name, obj in sorted(objects.items(), key=lambda item: not isinstance(item[1], nn.Module)):
         state = states[name]
         if isinstance(obj, nn.Module):
             set_model_state_dict(obj, state)
@@ -151,6 +156,84 @@ def _load_into(objects: Mapping[str, Any], states: Mapping[str, Any]) -> None:
             pass  # DCP loaded into the dict itself
         else:
             obj.load_state_dict(state)
+
+
+_MASTER = re.compile(r"\.state\..+\.master$")  # a ShardedOptimizer's fp32 copy of a non-fp32 parameter
+
+
+def _is_master(fqn: str, name: str, objects: Mapping[str, Any]) -> bool:
+    return (
+        fqn.startswith(f"{name}.")
+        and isinstance(objects[name], torch.optim.Optimizer)
+        and bool(_MASTER.search(fqn[len(name) :]))
+    )
+
+
+def _fit_to_saved(states: dict[str, Any], saved: Mapping[str, Any], where: str) -> list[Callable[[], None]]:
+    """Let every tensor of ``states`` load the saved tensor of its key that holds the same elements
+    in another shape; returns what copies them into place once DCP has loaded.
+
+    A ShardedOptimizer keeps each parameter's state flat (a ShardedTensor of the parameter's number
+    of elements, each rank a range of it); a plain optimizer, and FSDP2's, in the parameter's shape.
+    A whole tensor loads through a view of the saved shape (in place); a ShardedTensor or a DTensor
+    through a temporary whole tensor of the saved shape, from which it takes its own part (this
+    rank's host or GPU memory holds, for the moment of the load, the whole state of the parameters it
+    has a part of). Another number of elements raises CheckpointError.
+    """
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    flat, paths = flatten_state_dict(states)
+    after: list[Callable[[], None]] = []
+    for fqn, value in flat.items():
+        meta = saved.get(fqn)
+        if not isinstance(value, torch.Tensor) or not isinstance(meta, TensorStorageMetadata):
+            continue
+        shape, want = tuple(value.size()), tuple(meta.size)
+        if shape == want:
+            continue
+        if math.prod(shape) != math.prod(want):
+            raise CheckpointError(
+                f"checkpoint {where} holds {fqn} with shape {list(want)}, this run's has {list(shape)}: another "
+                "model or optimizer; resume with the one that saved it, or use another checkpoint directory"
+            )
+        path = paths[fqn]
+        if isinstance(value, ShardedTensor):
+            shards = value.local_shards()
+            if len(shards) != 1 or len(shards[0].metadata.shard_offsets) != 1:
+                continue  # no part of it here (DCP reads nothing for it), or a layout this does not convert
+            local, lo = shards[0].tensor, shards[0].metadata.shard_offsets[0]
+            whole = torch.empty(want, dtype=local.dtype, device=local.device)
+            after.append(lambda t=local, w=whole, lo=lo, v=value, p=path: (
+                t.copy_(w.reshape(-1)[lo : lo + t.numel()]), set_element(states, p, v)))  # fmt: skip
+        elif isinstance(value, DTensor):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            local = value.to_local()
+            size, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+            part = tuple(slice(o, o + n) for o, n in zip(offset, size))
+            whole = torch.empty(want, dtype=local.dtype, device=local.device)
+            after.append(lambda t=local, w=whole, part=part, v=value, p=path: (
+                t.copy_(w.view(v.shape)[part]), set_element(states, p, v)))  # fmt: skip
+        elif value.is_contiguous():
+            whole = value.view(want)  # the same memory: DCP loads into the tensor itself
+            after.append(lambda v=value, p=path: set_element(states, p, v))
+        else:
+            whole = torch.empty(want, dtype=value.dtype, device=value.device)
+            after.append(lambda v=value, w=whole, p=path: (v.copy_(w.view(v.shape)), set_element(states, p, v)))
+        set_element(states, path, whole)
+    return after
+
+
+def _drop(states: dict[str, Any], fqns: list[str]) -> None:
+    """Remove the values of ``fqns`` from the nested ``states`` (nothing in the checkpoint to load into them)."""
+    _, paths = flatten_state_dict(states)
+    for fqn in fqns:
+        *parents, last = paths[fqn]
+        node: Any = states
+        for key in parents:
+            node = node[key]
+        del node[last]
 
 
 class ShardedCheckpointer:
@@ -281,7 +364,7 @@ class ShardedCheckpointer:
         try:
             dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), process_group=self._pg())
             files.update(_own_files(partial, rank))
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
             files["error"] = f"{type(e).__name__}: {e}"
         self._pending = (step, partial, marker, None, files)
         self.wait()
@@ -434,9 +517,14 @@ class ShardedCheckpointer:
                     if key and "." not in key and key not in obj and isinstance(meta, BytesStorageMetadata):
                         obj[key] = None
         states = _state_dicts(objects)
+        # a ShardedOptimizer's fp32 masters, absent from a plain optimizer's checkpoint: taken from the
+        # parameters instead (load_state_dict); a plain optimizer has no place for them and steps the parameters
+        mine = flatten_state_dict(states)[0]
+        _drop(states, [k for k in mine if k not in saved and any(_is_master(k, n, objects) for n in objects)])
         # over every rank: a ShardedOptimizer's rank holds the state of the parameters in its slice only
         have = set().union(*self._all_gather(sorted(flatten_state_dict(states)[0])))
-        lacking = {n: [k for k in saved if k.startswith(f"{n}.") and k not in have] for n in objects}
+        lacking = {n: [k for k in saved if k.startswith(f"{n}.") and k not in have and not _is_master(k, n, objects)]
+                   for n in objects}  # fmt: skip
         lacking = {n: keys for n, keys in lacking.items() if keys}
         if lacking:
             name, keys = next(iter(lacking.items()))
@@ -445,10 +533,17 @@ class ShardedCheckpointer:
                 f"holds ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}): its state_dict() must have "
                 "every key and tensor before resume (create its state first, e.g. as its first step would)"
             )  # the same on every rank: every rank reads the same .metadata and gathers the same keys
-        error = None
+        error, fitted = None, []
+        try:
+            fitted = _fit_to_saved(states, saved, found)  # a ShardedOptimizer's flat layout <-> parameters' shapes
+        except CheckpointError as e:
+            error = str(e)
+        self._fail_together(error)
         try:
             dcp.load(states, storage_reader=dcp.FileSystemReader(found), process_group=self._pg())
-        except Exception as e:  # a shard DCP cannot read: corrupt bytes that kept their size, a foreign file
+            for put in fitted:
+                put()
+        except (Exception, CheckpointException) as e:  # DCP's own is a BaseException; corrupt bytes, a foreign file
             error = (
                 f"checkpoint {found} could not be loaded ({type(e).__name__}: {str(e)[:300]}); "
                 "delete it to resume from the previous one"

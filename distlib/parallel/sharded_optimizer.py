@@ -586,6 +586,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     target.copy_(v)
             if "master" in saved:
                 pc.pslice.copy_(pc.master)
+            elif pc.grad32 is not None:  # a plain optimizer's checkpoint: the master from the loaded parameter
+                pc.master.copy_(pc.pslice)
         if any(st.dtype != torch.float32 for st in self._pstores.values()):
             self._gather_params()  # the parameters from the loaded fp32 masters
 

@@ -53,12 +53,12 @@ def build(kind: str, seed: int, device: str = "cpu", width: int = 16):
     return model, opt, sched
 
 
-def batch(step: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, device: str = "cpu", size: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's slice of the global batch of ``step``: the same global batch at every world size."""
     g = torch.Generator().manual_seed(1000 + step)
-    x, y = torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g)
+    x, y = torch.randn(size, 8, generator=g), torch.randn(size, 4, generator=g)
     rank, world = collectives.rank(), collectives.world_size()
-    per = GLOBAL_BATCH // world
+    per = size // world
     return x[rank * per : (rank + 1) * per].to(device), y[rank * per : (rank + 1) * per].to(device)
 
 
@@ -459,3 +459,75 @@ def test_gpu_nccl_2_to_1(tmp_path, kind):
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     assert_states_equal(model, ref_model)
     assert_states_equal(opt, ref_opt)
+
+
+# ---- across the sharding boundary: ShardedOptimizer <-> a plain optimizer --------------------------
+def _optimizer_state(model, opt) -> dict[str, dict[str, torch.Tensor]]:
+    """Every parameter's optimizer state, whole and flat, by parameter name (a collective): the same
+    form for a ShardedOptimizer and a plain optimizer."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    if hasattr(opt, "_full_state"):
+        full = opt._full_state()
+    else:
+        full = {id(p): s for p, s in opt.state.items()}
+    return {names[i]: {k: v.detach().reshape(-1).clone() for k, v in s.items()} for i, s in full.items()}
+
+
+def _cross_run(ctx, directory: str, kind: str, resume: bool):
+    """Net under GradSync with AdamW, its optimizer a ShardedOptimizer (``kind="zero1"``) or plain:
+    2 steps and a save, or a resume; then step 3. Returns step 3's loss and the optimizer state before it."""
+    import distlib
+
+    torch.manual_seed(1 if resume else 0)  # other weights on resume: all must come from the checkpoint
+    model = Net()
+    if kind == "zero1":
+        sync = distlib.GradSync(model, shard="optimizer", bucket_mb=1e-3)
+        opt = sync.sharded_optimizer(torch.optim.AdamW, model.parameters(), lr=0.01)
+    else:
+        sync = distlib.GradSync(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def step(k: int) -> float:
+        x, y = batch(k, size=12)  # the same samples at 1, 2 and 3 ranks
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        sync.wait()
+        opt.step()
+        opt.zero_grad()
+        return float(collectives.all_reduce(loss.detach().clone(), "mean"))
+
+    ck = ShardedCheckpointer(directory)
+    if resume:
+        if kind == "plain":  # a plain optimizer has its state after its first step only: make it now
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            lr = opt.param_groups[0]["lr"]
+            opt.param_groups[0]["lr"] = 0.0
+            opt.step()
+            opt.param_groups[0]["lr"] = lr
+            opt.zero_grad()
+        assert ck.resume({"model": model, "optimizer": opt}) == 2
+    else:
+        step(1), step(2)
+        ck.save(2, {"model": model, "optimizer": opt})
+    state = _optimizer_state(model, opt)
+    return step(3), state
+
+
+@pytest.mark.parametrize(
+    "saved,resumed,world_size",
+    [("zero1", "plain", 1), ("zero1", "plain", 2), ("zero1", "plain", 3), ("plain", "zero1", 1),
+     ("plain", "zero1", 2), ("plain", "zero1", 3)],
+)  # fmt: skip
+def test_a_checkpoint_crosses_the_optimizer_sharding_boundary_at_any_world_size(tmp_path, saved, resumed, world_size):
+    """Saved at 2 ranks with a ShardedOptimizer (each parameter's state a flat ShardedTensor) and
+    resumed with a plain optimizer (the state in each parameter's shape), or the other way, at 1, 2 and
+    3 ranks: the resumed optimizer state is the saved one and the next step's loss the uninterrupted run's."""
+    ref_loss, ref_state = run_ranks(_cross_run, 2, str(tmp_path), saved, False)[0]
+    loss, state = run_ranks(_cross_run, world_size, str(tmp_path), resumed, True)[0]
+    assert state.keys() == ref_state.keys()
+    for name in ref_state:
+        assert state[name].keys() == ref_state[name].keys(), name
+        for key in ref_state[name]:
+            torch.testing.assert_close(state[name][key], ref_state[name][key], rtol=0, atol=0, msg=f"{name}.{key}")
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
