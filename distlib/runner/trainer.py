@@ -315,6 +315,9 @@ class Trainer:
         s.loss_sum = s.loss_sum.to(device)
         last = min(len(self.loader), budget.total_steps - s.epoch * len(self.loader))  # the budget may end it early
         t0 = time.perf_counter() - s.epoch_s
+        # this epoch's order, however the last pass ended: cut short by the budget's islice, an
+        # EpochLoader's pass never completes, so it would not advance its epoch itself
+        self.loader.set_epoch(s.epoch)
         # a loader that can start mid-epoch does so without reading the steps before (a token file)
         start = getattr(self.loader, "iter_from", None)
         batches = start(s.step) if start else itertools.islice(self.loader, s.step, None)
