@@ -223,12 +223,20 @@ def _built_models(ctx, recipe: str, overrides: list[str]) -> dict[str, tuple[dic
     return out
 
 
-@pytest.mark.parametrize("recipe", [DEMO, IMAGE_DEMO], ids=["gpt", "cnn"])
-def test_the_runner_builds_the_same_weights_in_every_mode_at_every_world_size(tmp_path, recipe, world_size_1):
-    """Trainer.build_model at world size 1, 2 and 3 in each dist.shard mode: every weight and buffer
-    of the model equal to the world-size-1 replicated build's (full sharding's gathered), and the
-    random state after it the same, so that what draws from it next (dropout, augmentation) does too."""
-    overrides = [*(SMALL_GPT if recipe == DEMO else SMALL_CNN), f"run.out_dir={tmp_path}"]
+OWN_MODEL = os.path.join(ROOT, "examples", "own_model", "recipe.yaml")  # a model named by import path
+
+
+@pytest.mark.parametrize(
+    ("recipe", "small"),
+    [(DEMO, SMALL_GPT), (IMAGE_DEMO, SMALL_CNN), (OWN_MODEL, ["data.args.n=240", "model.args.hidden=16"])],
+    ids=["gpt", "cnn", "own-model"],
+)
+def test_the_runner_builds_the_same_weights_in_every_mode_at_every_world_size(tmp_path, recipe, small, world_size_1):
+    """Trainer.build_model at world size 1, 2 and 3 in each dist.shard mode, for built-in models and
+    one named by import path: every weight and buffer of the model equal to the world-size-1
+    replicated build's (full sharding's gathered), and the random state after it the same, so that
+    what draws from it next (dropout, augmentation) does too."""
+    overrides = [*small, f"run.out_dir={tmp_path}"]
     ref = None
     for world_size in (1, 2, 3):
         if world_size == 1:
