@@ -50,7 +50,7 @@ def plot_curves(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> N
         fig.suptitle(title)
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")  # two drawers may overlap
     fig.savefig(tmp, format="png")
     os.replace(tmp, path)  # a reader never sees half a PNG
 
@@ -90,31 +90,41 @@ def _main(argv: list[str]) -> None:
 class CurvePlot:
     """The curves file of a running job, redrawn at the end and now and then.
 
-    Drawing takes a sizeable fraction of a second (more for the first import of
-    matplotlib), and the other ranks wait for the main one meanwhile, so during
-    training it is redrawn after an epoch only when ``every_s`` seconds have
-    passed since the last drawing; ``write()`` draws at the end. Disabled
+    Drawing takes a sizeable fraction of a second, the first import of matplotlib
+    a second or more (on a fresh machine many: it builds its font cache), and the
+    other ranks wait for the main one meanwhile. So during training it is redrawn
+    after a metrics row only when ``every_s`` seconds have passed since the last
+    drawing, and, given ``metrics_path`` (metrics.jsonl, which holds every row),
+    by a detached process (``plot_detached``; one at a time): the training
+    process never imports matplotlib. ``write()`` draws here and now. Disabled
     (non-main ranks) it does nothing.
     """
 
     def __init__(
         self, path: str, rows: Sequence[dict[str, Any]] = (), *, title: str = "", enabled: bool = True,
-        every_s: float = 60.0,
+        every_s: float = 60.0, metrics_path: str | None = None,
     ):  # fmt: skip
         self.path = path
         self.rows = list(rows)  # epochs done before this process started (a resumed run)
         self.title = title
         self.enabled = enabled
         self.every_s = every_s
+        self.metrics_path = metrics_path
         self._last = time.monotonic()
+        self._drawing: subprocess.Popen | None = None  # the detached redraw in flight
 
     def add(self, row: dict[str, Any]) -> None:
-        """Record an epoch's metrics row; redraw if the last drawing is old enough."""
+        """Record a metrics row; redraw if the last drawing is old enough."""
         if not self.enabled:
             return
         self.rows.append(row)
-        if time.monotonic() - self._last >= self.every_s:
+        if time.monotonic() - self._last < self.every_s:
+            return
+        if self.metrics_path is None:
             self.write()
+        elif self._drawing is None or self._drawing.poll() is not None:  # else the last one is still drawing
+            self._drawing = plot_detached(self.metrics_path, self.path, self.title)
+            self._last = time.monotonic()
 
     def write(self) -> None:
         if self.enabled and self.rows:

@@ -245,7 +245,8 @@ class Trainer:
         self.tensorboard = TensorBoardLog(self.run.path, enabled=cfg.run.tensorboard and self.ctx.is_main,
                                           purge_step=self.global_step + 1)  # fmt: skip
         self.curves = CurvePlot(os.path.join(self.run.path, "curves.png"), self.run.read_metrics(),
-                                title=cfg.run.name, enabled=self.ctx.is_main)  # fmt: skip
+                                title=cfg.run.name, enabled=self.ctx.is_main,
+                                metrics_path=self.run.metrics_path)  # fmt: skip
 
     def resume_budget(self) -> None:
         """After a resume: the schedule of this run's budget in place of the checkpoint's (a resume may
@@ -286,6 +287,7 @@ class Trainer:
             if not self.train_epoch():
                 return self.stop.exit_code
         self.finish_task()
+        self.timeline.mark("sample")  # what the task shows at the end: a language model's generated sample
         self.finished_rows = self.run.read_metrics()  # the summary is printed after the teardown
         self.curves.write_detached(self.run.metrics_path)  # curves.png appears shortly after the exit
         self.stop.close()
@@ -378,12 +380,12 @@ class Trainer:
             s.epoch, s.step, s.train_s, s.epoch_s = epoch, 0, s.train_s + s.epoch_s, 0.0
         if budget.checkpoints(step):
             self.save_checkpoint()
-            if final:
-                self.timeline.mark("checkpoint")  # metrics row and final checkpoint
         if row is not None:
             self.progress.epoch_end(row, ends_epoch=ends_epoch)
             self.curves.add(row)
             self.tensorboard.add(row, step=step)
+        if final:
+            self.timeline.mark("checkpoint")  # the last metrics row, shown and logged, and the final checkpoint
 
     def evaluate(self, final: bool = False) -> dict[str, Any]:
         """The task's metrics (test accuracy; validation loss and perplexity) of the evaluated

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import distlib
 from distlib.runner.config import load_config
-from distlib.runner.gpt import GPT, GPTConfig
+from distlib.runner.gpt import GPT, GPTConfig, KVCache
 from distlib.runner.text_data import TokenLoader, eval_windows, load_byte_text
 from distlib.runner.throughput import mfu, peak_tflops
 from tests.conftest import ROOT
@@ -89,6 +89,43 @@ def test_mfu_counts_every_gpu_a_fallback_process_drives(monkeypatch):
     flops = model.flops_per_token(64) * 1000.0 * 64
     assert rates("process_per_gpu") == pytest.approx(flops / (2 * 1e9), rel=1e-3)  # 2 processes, a GPU each
     assert rates("fallback") == pytest.approx(flops / (8 * 1e9), rel=1e-3)  # 2 nodes of 4 GPUs
+
+
+@pytest.mark.parametrize("new_tokens", [20, 50], ids=["within_block_size", "beyond_block_size"])
+def test_generation_with_the_kv_cache_is_generation_without_it(new_tokens, monkeypatch, world_size_1):
+    """The same tokens, greedy and sampled with the same generator, a batch of two prompts, within the
+    block and once the window moves (block_size 32, prompts of 10); the cached decode runs the blocks
+    outside their ``__call__`` (a compiled one is never given a new length at every step)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)).eval()
+    prompt = torch.randint(0, 256, (2, 10))
+    calls = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda *_: calls.append(1))
+    sdpa, shapes = F.scaled_dot_product_attention, set()
+
+    def attention(q, k, v, **kwargs):
+        shapes.add((q.shape, k.shape))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", attention)
+    greedy = model.generate(prompt, new_tokens, temperature=0)
+    # the prefill of the prompt, then one shape for every decode step (and for every step that runs the
+    # moved window whole): no kernel plan or compilation per length
+    assert len(shapes) == (2 if new_tokens <= 22 else 3), shapes
+    monkeypatch.undo()
+    assert calls == [] and greedy.shape == (2, 10 + new_tokens) and torch.equal(greedy[:, :10], prompt)
+    assert torch.equal(greedy, model.generate(prompt, new_tokens, temperature=0, kv_cache=False))
+    assert len(calls) == 2 * new_tokens  # without the cache: every block, every step
+    sampled = [model.generate(prompt, new_tokens, temperature=0.8, generator=torch.Generator().manual_seed(1),
+                              kv_cache=cached) for cached in (True, False)]  # fmt: skip
+    assert torch.equal(*sampled) and not torch.equal(sampled[0], greedy)
+    # a prefill's logits are the forward's, and each decoded position's those of the whole sequence
+    cache = KVCache(2, 32)
+    seq = greedy[:, :20]
+    steps = [model.forward_cached(seq[:, :10], cache)] + [model.forward_cached(seq[:, i : i + 1], cache)
+                                                          for i in range(10, 20)]  # fmt: skip
+    torch.testing.assert_close(torch.cat(steps, dim=1), model(seq), rtol=1e-4, atol=1e-5)
 
 
 SMALL = ["train.epochs=2", "data.train_subset=64", "model.args.n_layer=1", "model.args.n_embd=32",

@@ -90,6 +90,30 @@ def test_curves_are_redrawn_during_training_at_most_once_a_minute(tmp_path, monk
     assert drawn == [(61.0, 2), (121.0, 5)]
 
 
+def test_during_training_the_curves_are_drawn_by_a_detached_process_one_at_a_time(tmp_path, monkeypatch):
+    """Given metrics.jsonl, the redraw never imports matplotlib in the training process: a detached
+    drawer is started when due, and none while the last one is still drawing."""
+    from distlib.runner import plots
+
+    clock, started, running = [0.0], [], [True]
+    monkeypatch.setattr(plots, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(plots, "plot_curves", lambda *a, **k: pytest.fail("drawn in the training process"))
+
+    def detached(metrics_path, path, title=""):
+        started.append(clock[0])
+        return SimpleNamespace(poll=lambda: None if running[0] else 0)
+
+    monkeypatch.setattr(plots, "plot_detached", detached)
+    plot = CurvePlot(str(tmp_path / "curves.png"), metrics_path=str(tmp_path / "metrics.jsonl"))
+    for t, row in zip((61, 122, 130), rows(3)):  # the first drawer still runs at 122 s
+        clock[0] = float(t)
+        plot.add(row)
+    running[0] = False
+    clock[0] = 131.0
+    plot.add(rows(4)[3])
+    assert started == [61.0, 131.0]
+
+
 def test_metrics_cut_short_by_a_crash_are_read_up_to_the_cut_and_trimmed_on_resume(tmp_path):
     from distlib.runner.run_dir import RunDir
 
