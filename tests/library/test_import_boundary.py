@@ -138,3 +138,20 @@ def test_the_library_has_no_import_circle():
     for m in MODULES:
         visit(m, [])
     assert len(done) == len(MODULES) and any(graph.values())  # the scan found the imports
+
+
+def test_every_package_of_the_tree_is_in_the_distribution():
+    """A non-editable install (the Docker image's) gets every package that has an __init__.py."""
+    import setuptools
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        find = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]
+    shipped = set(setuptools.find_packages(ROOT, include=find["include"]))
+    on_disk = {
+        os.path.relpath(d, ROOT).replace(os.sep, ".")
+        for d, _, files in os.walk(LIBRARY)
+        if "__init__.py" in files and "__pycache__" not in d
+    }
+    assert on_disk - shipped == set(), f"packages a wheel would leave out: {sorted(on_disk - shipped)}"
+    assert {"distlib", "distlib.runner", "distlib.parallel"} <= shipped

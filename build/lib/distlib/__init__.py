@@ -1,0 +1,98 @@
+"""distlib: distributed training for PyTorch, small enough to drop into an existing script.
+
+ctx = distlib.init()                       # torchrun, srun, mpirun or a PyTorchJob; or world size 1
+loader = distlib.distributed_loader(ds, batch_size=64)
+sync = distlib.GradSync(model)             # after loss.backward(): sync.wait()
+net = distlib.compile_for_sync(model, sync)  # torch.compile, the all_reduces still overlapped
+...
+distlib.shutdown()
+
+Also here: ``Replicas`` (one process drives every GPU of its node), ``CapturedStep`` (a whole
+training step as a CUDA graph), ``EMA`` (a weight average the graph can update), ``Checkpointer``,
+``shard_model`` and ``FSDPSync`` (full sharding through FSDP2), ``ShardedCheckpointer`` and
+``export_checkpoint`` (torch.distributed.checkpoint: per-rank shards), ``StopSignal`` (SIGTERM/SIGINT
+stop every rank at one step boundary), ``Watchdog`` (ends a rank that stopped running),
+``collectives``, and the errors they raise.
+"""
+
+from distlib.checkpoint.checkpointer import Checkpointer, CheckpointError
+from distlib.data.sampler import EpochLoader as EpochLoader  # returned by distributed_loader; kept importable
+from distlib.data.sampler import ExactDistributedSampler, LoaderError, distributed_loader
+from distlib.distributed import collectives
+from distlib.distributed.collectives import (
+    all_gather_object,
+    all_reduce,
+    barrier,
+    broadcast,
+    broadcast_object,
+    reduce,
+    sync_buffers,
+)
+from distlib.distributed.model_check import ModelMismatchError
+from distlib.distributed.process_group import Context, EnvError, init, shutdown
+from distlib.errors import ArgumentError, DistlibError
+from distlib.log import get_logger
+from distlib.parallel.comm_fallback import Replicas
+from distlib.parallel.grad_sync import GradSync, GradSyncError, GradSyncTimeout
+from distlib.parallel.sharded_optimizer import ShardedOptimizer, ShardingError
+from distlib.reliability.stop import StopSignal
+from distlib.reliability.watchdog import Watchdog
+from distlib.step.compile import compile_for_sync
+from distlib.step.cuda_graph import CapturedStep, CaptureUnsupported
+from distlib.step.ema import EMA
+
+
+def __getattr__(name: str):
+    # torch.distributed.checkpoint and FSDP2 add seconds to the import: loaded when first used
+    if name in ("ShardedCheckpointer", "export_checkpoint"):
+        from distlib.checkpoint import sharded as sharded_checkpoint
+
+        return getattr(sharded_checkpoint, name)
+    if name in ("FSDPSync", "shard_model"):
+        from distlib.parallel import fsdp
+
+        return getattr(fsdp, name)
+    raise AttributeError(f"module 'distlib' has no attribute {name!r}")
+
+
+__version__ = "0.1.0"  # the one place the version is set (pyproject.toml reads it)
+
+__all__ = [
+    "ArgumentError",
+    "CaptureUnsupported",
+    "CapturedStep",
+    "CheckpointError",
+    "Checkpointer",
+    "Context",
+    "DistlibError",
+    "EMA",
+    "EnvError",
+    "ExactDistributedSampler",
+    "FSDPSync",
+    "GradSync",
+    "GradSyncError",
+    "GradSyncTimeout",
+    "LoaderError",
+    "ModelMismatchError",
+    "Replicas",
+    "ShardedCheckpointer",
+    "ShardedOptimizer",
+    "ShardingError",
+    "StopSignal",
+    "Watchdog",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "collectives",
+    "compile_for_sync",
+    "distributed_loader",
+    "export_checkpoint",
+    "get_logger",
+    "init",
+    "reduce",
+    "shard_model",
+    "shutdown",
+    "sync_buffers",
+]

@@ -1,0 +1,1 @@
+"""Checkpoints: the one-file checkpointer and sharded (DCP) checkpoints."""

@@ -1,0 +1,421 @@
+"""Checkpoints a resumed run can continue from exactly, written atomically by rank 0.
+
+One file per checkpoint (``<dir>/epoch0003-step000000.pt``): the objects' state_dicts, the
+position, per-rank RNG states, buffers and ``RankStateful`` states gathered to rank 0, a
+fingerprint and a sha256 checksum; only tensors and plain containers, read with
+``torch.load(weights_only=True)``. docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import random
+import re
+import sys
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from distlib.distributed import collectives
+from distlib.errors import DistlibError
+from distlib.log import get_logger
+
+FORMAT = "distlib-checkpoint"
+VERSION = 1
+_NAME = re.compile(r"^epoch(\d+)-step(\d+)\.pt$")
+
+
+class CheckpointError(DistlibError, RuntimeError):
+    """No usable checkpoint, a checkpoint from another model or config, or one that could not be written."""
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], /) -> Any: ...
+
+
+@runtime_checkable
+class RankStateful(Protocol):
+    """An object with state of its own on each rank besides the shared ``state_dict()``: its
+    ``rank_state_dict()`` is saved for every rank and given back to the same rank (when the
+    world size is unchanged)."""
+
+    def rank_state_dict(self) -> dict[str, Any]: ...
+
+    def load_rank_state_dict(self, state: dict[str, Any], /) -> Any: ...
+
+
+@dataclass
+class Resumed:
+    """Where a run continues: ``epoch`` epochs completed, then ``step`` steps of the next one."""
+
+    epoch: int = 0
+    step: int = 0
+    global_step: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+    rank_extra: dict[str, Any] = field(default_factory=dict)  # this rank's own values
+    path: str | None = None  # the checkpoint loaded, None for a fresh start
+
+
+# ---- fingerprint ----------------------------------------------------------------------
+
+
+def fingerprint(model: nn.Module, **settings: Any) -> dict[str, Any]:
+    """What must be equal for a checkpoint to be valid for this run: the model's
+    state_dict names, shapes and dtypes, and ``settings`` (plain values, e.g.
+    ``{"model.name": "small_cnn", "train.batch_size": 128}``)."""
+    tensors = {name: f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for name, t in model.state_dict().items()}
+    return {"tensors": tensors, "settings": dict(settings)}
+
+
+def differences(saved: Mapping[str, Any], current: Mapping[str, Any], limit: int = 8) -> list[str]:
+    """Human-readable differences between two fingerprints (empty when compatible)."""
+    out = []
+    s_set, c_set = saved.get("settings", {}), current.get("settings", {})
+    for key in sorted(set(s_set) | set(c_set)):
+        if s_set.get(key) != c_set.get(key):
+            out.append(f"{key}: checkpoint has {s_set.get(key)!r}, this run has {c_set.get(key)!r}")
+    s_t, c_t = saved.get("tensors", {}), current.get("tensors", {})
+    missing = [k for k in c_t if k not in s_t]
+    unexpected = [k for k in s_t if k not in c_t]
+    changed = [f"{k} ({s_t[k]} in the checkpoint, {c_t[k]} here)" for k in c_t if k in s_t and s_t[k] != c_t[k]]
+
+    def short(items: list[str]) -> str:
+        more = f", ... ({len(items) - limit} more)" if len(items) > limit else ""
+        return ", ".join(items[:limit]) + more
+
+    if changed:
+        out.append(f"model tensors of another shape or dtype: {short(changed)}")
+    if missing:
+        out.append(f"model tensors not in the checkpoint: {short(missing)}")
+    if unexpected:
+        out.append(f"checkpoint tensors this model does not have: {short(unexpected)}")
+    return out
+
+
+# ---- RNG state ------------------------------------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states, as tensors and plain values."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    np = sys.modules.get("numpy")  # only if something imported it
+    if np is not None:
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss)]
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuples(state["python"]))
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    np = sys.modules.get("numpy")  # loaded if anything here uses its RNG; never imported by the library
+    if "numpy" in state and np is not None:
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+
+
+def _as_tuples(x: Any) -> Any:
+    return tuple(_as_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+# ---- checksum and file handling ---------------------------------------------------------
+
+
+def _digest(obj: Any, h: Any) -> None:
+    """Feed a canonical encoding of ``obj`` (tensors, containers, scalars) into ``h``."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{list(t.shape)}".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, Mapping):
+        h.update(b"{")
+        for k, v in obj.items():
+            _digest(k, h)
+            _digest(v, h)
+        h.update(b"}")
+    elif isinstance(obj, (list, tuple)):
+        h.update(b"[")
+        for v in obj:
+            _digest(v, h)
+        h.update(b"]")
+    else:
+        h.update(f"{type(obj).__name__}:{obj!r};".encode())
+
+
+def checksum(payload: Mapping[str, Any]) -> str:
+    h = hashlib.sha256()
+    _digest({k: v for k, v in payload.items() if k != "checksum"}, h)
+    return h.hexdigest()
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, Mapping):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def write_atomic(payload: Mapping[str, Any], path: str) -> None:
+    """Write ``payload`` with torch.save so that ``path`` is either the old file or the
+    whole new one: a temporary file in the same directory, fsync, rename, fsync the directory."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{os.path.basename(path)}")
+    try:
+        with open(tmp, "xb") as f:  # mode 0666 less the umask, like any other file the run writes
+            torch.save(dict(payload), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)  # the rename itself must survive a crash
+    finally:
+        os.close(dfd)
+
+
+def read_verified(path: str) -> dict[str, Any]:
+    """Load a checkpoint file with weights_only=True and check its format and checksum.
+
+    Raises CheckpointError saying what is wrong with the file.
+    """
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, flipped bytes in the pickle, a foreign file
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {first})") from e
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a distlib checkpoint")
+    if payload.get("version") != VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {payload.get('version')!r}, expected {VERSION}")
+    if payload.get("checksum") != checksum(payload):
+        raise CheckpointError(f"{path}: checksum mismatch (the file is corrupted)")
+    return payload
+
+
+def load_in_place(obj: Stateful, state: dict[str, Any]) -> None:
+    """``obj.load_state_dict(state)``, keeping the tensors ``obj`` already has.
+
+    A captured CUDA graph reads and writes fixed memory: modules already copy
+    into their tensors, but ``Optimizer.load_state_dict`` makes new state
+    tensors (momentum buffers), so those are copied back into the old ones.
+    """
+    if not isinstance(obj, torch.optim.Optimizer):
+        obj.load_state_dict(state)
+        return
+    old = {p: dict(s) for p, s in obj.state.items()}
+    obj.load_state_dict(state)
+    with torch.no_grad():
+        for p, s in obj.state.items():
+            for key, new in s.items():
+                kept = old.get(p, {}).get(key)
+                if torch.is_tensor(kept) and torch.is_tensor(new) and kept.shape == new.shape:
+                    kept.copy_(new)  # same dtype and device: load_state_dict cast ``new`` like ``kept``
+                    s[key] = kept
+
+
+# ---- the checkpointer ---------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Saves and restores training state in ``directory``; keeps the newest ``keep`` files.
+
+    ``save`` and ``load`` are collectives: every rank must call them, in the
+    same order. Rank 0 alone reads and writes files; the others receive the
+    loaded state from it, so the directory need only exist on rank 0's node.
+    """
+
+    def __init__(self, directory: str, *, keep: int = 3, is_main: bool = True):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.directory = directory
+        self.keep = keep
+        self.is_main = is_main
+        self.last_saved: tuple[int, int] | None = None  # (epoch, step) of the checkpoint last saved or loaded
+
+    def paths(self) -> list[str]:
+        """Checkpoint files, newest first (temporary files of an interrupted write are ignored)."""
+        if not os.path.isdir(self.directory):
+            return []
+        found = []
+        for name in os.listdir(self.directory):
+            m = _NAME.match(name)
+            if m:
+                found.append(((int(m.group(1)), int(m.group(2))), os.path.join(self.directory, name)))
+        return [p for _, p in sorted(found, reverse=True)]
+
+    def clear(self) -> int:
+        """Delete every checkpoint (rank 0 only); returns how many there were."""
+        paths = self.paths() if self.is_main else []
+        for p in paths:
+            os.unlink(p)
+        return len(paths)
+
+    def save(
+        self,
+        objects: Mapping[str, Stateful],
+        *,
+        epoch: int,
+        step: int,
+        global_step: int,
+        fingerprint: Mapping[str, Any],
+        extra: Mapping[str, Any] | None = None,
+        rank_extra: Mapping[str, Any] | None = None,
+    ) -> str | None:
+        """Write a checkpoint at ``epoch`` completed epochs plus ``step`` steps.
+
+        Each object's ``state_dict()`` is stored once (rank 0's), and so is ``extra``; the
+        ``rank_state_dict()`` of ``RankStateful`` objects and ``rank_extra`` per rank. A
+        collective (it gathers every rank's RNG state and ``rank_extra``):
+        every rank must call it. Returns the path on rank 0, None elsewhere.
+        Raises CheckpointError on every rank when rank 0 cannot write it.
+        """
+        buffers = {
+            name: _to_cpu(dict(obj.named_buffers())) for name, obj in objects.items() if isinstance(obj, nn.Module)
+        }
+        own = {name: _to_cpu(obj.rank_state_dict()) for name, obj in objects.items() if isinstance(obj, RankStateful)}
+        mine = {"rng": rng_state(), "buffers": buffers, "states": own, "extra": _to_cpu(dict(rank_extra or {}))}
+        ranks = collectives.all_gather_object(mine)
+        path = os.path.join(self.directory, f"epoch{epoch:04d}-step{step:06d}.pt")
+        error = None
+        if self.is_main:
+            try:
+                payload = {
+                    "format": FORMAT,
+                    "version": VERSION,
+                    "position": {"epoch": epoch, "step": step, "global_step": global_step},
+                    "world_size": len(ranks),
+                    "fingerprint": _to_cpu(dict(fingerprint)),
+                    "state": {name: _to_cpu(obj.state_dict()) for name, obj in objects.items()},
+                    "ranks": ranks,
+                    "extra": _to_cpu(dict(extra or {})),
+                }
+                payload["checksum"] = checksum(payload)
+                write_atomic(payload, path)
+                for old in self.paths()[self.keep :]:
+                    os.unlink(old)
+            except Exception as e:
+                error = f"rank 0 could not write checkpoint {path}: {type(e).__name__}: {e}"
+        error = collectives.broadcast_object(error)  # every rank fails together, none hangs
+        if error:
+            raise CheckpointError(error)
+        self.last_saved = (epoch, step)
+        return path if self.is_main else None
+
+    def _find_latest(self) -> tuple[dict[str, Any] | None, str | None, list[str]]:
+        """Rank 0: the newest readable checkpoint, its path, and the problems with newer ones."""
+        problems = []
+        for path in self.paths():
+            try:
+                return read_verified(path), path, problems
+            except CheckpointError as e:
+                problems.append(str(e))
+        return None, None, problems
+
+    def load(self, objects: Mapping[str, Stateful], *, fingerprint: Mapping[str, Any]) -> Resumed:
+        """Restore ``objects`` and this rank's RNG from the newest valid checkpoint.
+
+        A collective: every rank must call it. Returns ``Resumed()`` (a fresh
+        start) when the directory holds no checkpoint. Falls back to an older
+        checkpoint, with a warning, when the newest is corrupt. Raises
+        CheckpointError on every rank when checkpoints exist but none is
+        readable, or when the newest readable one is from another model or
+        config (it names what differs).
+        """
+        log = get_logger()
+        found: tuple[dict | None, str | None, list[str]] = (None, None, [])
+        if self.is_main:
+            found = self._find_latest()
+        payload, path, problems = collectives.broadcast_object(found)
+        for p in problems:
+            log.warning("skipping checkpoint: %s", p)
+        if payload is None:
+            if problems:
+                raise CheckpointError(
+                    f"none of the {len(problems)} checkpoint(s) in {self.directory} is usable (see above); "
+                    "move them away, or set run.resume=false to start over (this deletes them)"
+                )
+            return Resumed()
+        if problems:
+            log.warning("resuming from the older checkpoint %s", path)
+        diff = differences(payload["fingerprint"], fingerprint)
+        if diff:
+            raise CheckpointError(
+                f"checkpoint {path} is from another model or config:\n"
+                + "\n".join(f"  - {d}" for d in diff)
+                + "\nuse another run.out_dir, or set run.resume=false to start over (this deletes its checkpoints)"
+            )
+        missing = [name for name in objects if name not in payload["state"]]
+        if missing:
+            raise CheckpointError(f"checkpoint {path} has no state for {', '.join(missing)}")
+        for name, obj in objects.items():
+            load_in_place(obj, payload["state"][name])
+        ranks = payload["ranks"]
+        rank, world = collectives.rank(), collectives.world_size()
+        mine: dict[str, Any] = {}
+        if len(ranks) == world:
+            set_rng_state(ranks[rank]["rng"])
+            mine = ranks[rank]["extra"]
+            own = ranks[rank].get("states", {})
+            for name, obj in objects.items():
+                if isinstance(obj, RankStateful):
+                    if name not in own:
+                        raise CheckpointError(f"checkpoint {path} has no per-rank state for {name}")
+                    obj.load_rank_state_dict(own[name])
+            with torch.no_grad():
+                for name, obj in objects.items():
+                    if isinstance(obj, nn.Module):
+                        for buf_name, buf in obj.named_buffers():
+                            buf.copy_(ranks[rank]["buffers"][name][buf_name])
+        else:
+            log.warning(
+                "checkpoint written by %d rank(s), this run has %d: per-rank RNG states, buffers and values "
+                "are not restored (every rank takes rank 0's buffers), so the run continues correctly but "
+                "not bit-for-bit as an uninterrupted one would",
+                len(ranks), world,
+            )  # fmt: skip
+        pos = payload["position"]
+        self.last_saved = (pos["epoch"], pos["step"])
+        return Resumed(pos["epoch"], pos["step"], pos["global_step"], payload["extra"], mine, path)
+
+    def resume(
+        self, objects: Mapping[str, Stateful], *, fingerprint: Mapping[str, Any], enabled: bool, epochs: int = 0
+    ) -> Resumed:
+        """``load`` when ``enabled`` (auto-resume); otherwise delete the old checkpoints and start
+        fresh, so they cannot be taken for this run's. ``epochs``: the run's length, to say when
+        it is already complete. A collective: every rank must call it."""
+        log = get_logger()
+        if not enabled:
+            if self.clear():
+                log.warning("resume disabled: deleted the old checkpoints in %s", self.directory)
+            return Resumed()
+        resumed = self.load(objects, fingerprint=fingerprint)
+        if resumed.path and epochs and resumed.epoch >= epochs:
+            log.warning(
+                "%s is the final checkpoint: this run is complete, nothing to do "
+                "(set run.resume=false or another run.out_dir to train again)", resumed.path,
+            )  # fmt: skip
+        elif resumed.path:
+            log.info("resuming from %s: epoch %d, step %d", resumed.path, resumed.epoch, resumed.step)
+        return resumed

@@ -1,0 +1,601 @@
+"""Sharded checkpoints with torch.distributed.checkpoint: every rank writes its own shards.
+
+``<dir>/step000000042/`` holds DCP's ``.metadata`` and ``__<rank>_<i>.distcp`` files and
+``commit.json`` (step, world size, fingerprint, every file's size and sha256). It is written as
+``<dir>/.partial-step000000042/`` and renamed once every rank finished: a directory with the
+final name is a committed checkpoint. docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from distlib.checkpoint.checkpointer import CheckpointError, differences
+from distlib.distributed import collectives, process_group
+from distlib.log import get_logger
+
+FORMAT = "distlib-sharded-checkpoint"
+VERSION = 1
+MARKER = "commit.json"
+_NAME = re.compile(r"^step(\d{9})$")
+# the checkpointers with an asynchronous save in flight: kept alive until it is committed (shutdown()
+# holds its hooks weakly, and a save must not be lost with a checkpointer the caller let go of)
+_IN_FLIGHT: set[ShardedCheckpointer] = set()
+_PARTIAL = re.compile(r"^\.partial-step(\d{9})$")
+
+
+# DCP warns on every save and load without a process group that it assumes one process: world size 1 is
+# meant. The async save warns from its own thread, where a catch_warnings block would not reach.
+warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)", category=UserWarning)
+
+
+def _step_name(step: int) -> str:
+    return f"step{step:09d}"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):  # hashlib.file_digest is Python 3.11+
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _own_files(directory: str, rank: int) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of the shard files this rank wrote (DCP names them ``__<rank>_<i>.distcp``);
+    rank 0 also takes DCP's ``.metadata``."""
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.startswith(f"__{rank}_") or (rank == 0 and name == ".metadata"):
+            path = os.path.join(directory, name)
+            out[name] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+    return out
+
+
+def model_fingerprint(objects: Mapping[str, Any]) -> dict[str, str]:
+    """The name, global shape and dtype of every tensor of the modules among ``objects`` (DTensors
+    count with their global shape, so a sharded and a replicated model have the same fingerprint)."""
+    tensors = {}
+    for name, obj in objects.items():
+        if isinstance(obj, nn.Module):
+            for key, t in obj.state_dict().items():
+                tensors[f"{name}.{key}"] = f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+    return tensors
+
+
+def _layout(state: Any, prefix: str = "") -> list[Any]:
+    """Every tensor's place, shape and dtype: the host copy an async save keeps must still fit."""
+    if isinstance(state, Mapping):
+        return [x for k, v in state.items() for x in _layout(v, f"{prefix}/{k}")]
+    if isinstance(state, (list, tuple)):
+        return [x for i, v in enumerate(state) for x in _layout(v, f"{prefix}/{i}")]
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return [(prefix, tuple(local.shape), local.dtype, local.device)]
+    return []
+
+
+def _owner(opt: Any, objects: Mapping[str, Any]) -> nn.Module | None:
+    """The module among ``objects`` whose parameters ``opt`` steps, for DCP's helpers (which key its state by
+    their names); None for an optimizer with a ``state_dict`` format of its own, or stepping other tensors."""
+    if not isinstance(opt, torch.optim.Optimizer) or type(opt).state_dict is not torch.optim.Optimizer.state_dict:
+        return None
+    first = next((p for g in opt.param_groups for p in g["params"]), None)
+    for obj in objects.values():
+        if isinstance(obj, nn.Module) and any(p is first for p in obj.parameters()):
+            return obj
+    return None
+
+
+def _state_dicts(objects: Mapping[str, Any]) -> dict[str, Any]:
+    """What DCP saves or loads into, per object: modules and optimizers through DCP's state_dict helpers
+    (FSDP2 DTensors stay sharded, optimizer state is keyed by parameter name), plain dicts as they are,
+    anything else its ``state_dict()``."""
+    out: dict[str, Any] = {}
+    for name, obj in objects.items():
+        if isinstance(obj, nn.Module):
+            out[name] = get_model_state_dict(obj)
+        elif (model := _owner(obj, objects)) is not None:
+            out[name] = get_optimizer_state_dict(model, obj)
+        elif isinstance(obj, dict):
+            out[name] = obj
+        elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+            out[name] = obj.state_dict()
+        else:
+            raise CheckpointError(
+                f"cannot checkpoint {name!r} ({type(obj).__name__}): give an object with state_dict() and "
+                "load_state_dict(), or a plain dict"
+            )
+    return out
+
+
+def _load_into(objects: Mapping[str, Any], states: Mapping[str, Any]) -> None:
+    # the modules first: a ShardedOptimizer whose checkpoint has no fp32 masters (a plain optimizer's)
+    # takes them from its parameters
+    for name, obj in sorted(objects.items(), key=lambda item: not isinstance(item[1], nn.Module)):
+        state = states[name]
+        if isinstance(obj, nn.Module):
+            set_model_state_dict(obj, state)
+        elif (model := _owner(obj, objects)) is not None:
+            set_optimizer_state_dict(model, obj, state)
+        elif isinstance(obj, dict):
+            pass  # DCP loaded into the dict itself
+        else:
+            obj.load_state_dict(state)
+
+
+_MASTER = re.compile(r"\.state\..+\.master$")  # a ShardedOptimizer's fp32 copy of a non-fp32 parameter
+
+
+def _is_master(fqn: str, name: str, objects: Mapping[str, Any]) -> bool:
+    return (
+        fqn.startswith(f"{name}.")
+        and isinstance(objects[name], torch.optim.Optimizer)
+        and bool(_MASTER.search(fqn[len(name) :]))
+    )
+
+
+def _fit_to_saved(states: dict[str, Any], saved: Mapping[str, Any], where: str) -> list[Callable[[], None]]:
+    """Let every tensor of ``states`` load the saved tensor of its key that holds the same elements
+    in another shape; returns what copies them into place once DCP has loaded.
+
+    A ShardedOptimizer keeps each parameter's state flat (a ShardedTensor of the parameter's number
+    of elements, each rank a range of it); a plain optimizer, and FSDP2's, in the parameter's shape.
+    A whole tensor loads through a view of the saved shape (in place); a ShardedTensor or a DTensor
+    through a temporary whole tensor of the saved shape, from which it takes its own part (this
+    rank's host or GPU memory holds, for the moment of the load, the whole state of the parameters it
+    has a part of). Another number of elements raises CheckpointError.
+    """
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    flat, paths = flatten_state_dict(states)
+    after: list[Callable[[], None]] = []
+    for fqn, value in flat.items():
+        meta = saved.get(fqn)
+        if not isinstance(value, torch.Tensor) or not isinstance(meta, TensorStorageMetadata):
+            continue
+        shape, want = tuple(value.size()), tuple(meta.size)
+        if shape == want:
+            continue
+        if math.prod(shape) != math.prod(want):
+            raise CheckpointError(
+                f"checkpoint {where} holds {fqn} with shape {list(want)}, this run's has {list(shape)}: another "
+                "model or optimizer; resume with the one that saved it, or use another checkpoint directory"
+            )
+        path = paths[fqn]
+        if isinstance(value, ShardedTensor):
+            shards = value.local_shards()
+            if len(shards) != 1 or len(shards[0].metadata.shard_offsets) != 1:
+                continue  # no part of it here (DCP reads nothing for it), or a layout this does not convert
+            local, lo = shards[0].tensor, shards[0].metadata.shard_offsets[0]
+            whole = torch.empty(want, dtype=local.dtype, device=local.device)
+            after.append(lambda t=local, w=whole, lo=lo, v=value, p=path: (
+                t.copy_(w.reshape(-1)[lo : lo + t.numel()]), set_element(states, p, v)))  # fmt: skip
+        elif isinstance(value, DTensor):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            local = value.to_local()
+            size, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+            part = tuple(slice(o, o + n) for o, n in zip(offset, size))
+            whole = torch.empty(want, dtype=local.dtype, device=local.device)
+            after.append(lambda t=local, w=whole, part=part, v=value, p=path: (
+                t.copy_(w.view(v.shape)[part]), set_element(states, p, v)))  # fmt: skip
+        elif value.is_contiguous():
+            whole = value.view(want)  # the same memory: DCP loads into the tensor itself
+            after.append(lambda v=value, p=path: set_element(states, p, v))
+        else:
+            whole = torch.empty(want, dtype=value.dtype, device=value.device)
+            after.append(lambda v=value, w=whole, p=path: (v.copy_(w.view(v.shape)), set_element(states, p, v)))
+        set_element(states, path, whole)
+    return after
+
+
+def _drop(states: dict[str, Any], fqns: list[str]) -> None:
+    """Remove the values of ``fqns`` from the nested ``states`` (nothing in the checkpoint to load into them)."""
+    _, paths = flatten_state_dict(states)
+    for fqn in fqns:
+        *parents, last = paths[fqn]
+        node: Any = states
+        for key in parents:
+            node = node[key]
+        del node[last]
+
+
+class ShardedCheckpointer:
+    """Saves and restores training state in ``directory`` with torch.distributed.checkpoint; keeps the
+    newest ``keep`` committed checkpoints.
+
+    Every rank writes the shards it holds (a replicated tensor is written once, by one rank) and reads
+    the parts it needs on load, so a checkpoint saved at one world size loads at another. The
+    directory must be one every rank sees (a shared file system across nodes). ``settings``: plain
+    values that must be equal for a checkpoint to be valid for this run (like ``fingerprint``'s).
+
+    ``save``, ``wait``, ``resume`` and ``close`` are collectives: every rank must call them, in the
+    same order.
+    """
+
+    def __init__(
+        self, directory: str, *, keep: int = 3, settings: Mapping[str, Any] | None = None, verify: bool = True
+    ):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.directory = directory
+        self.keep = keep
+        self.settings = dict(settings or {})
+        self.verify = verify
+        self._group: dist.ProcessGroup | None = None
+        self._writer: tuple[dcp.FileSystemWriter, list[Any]] | None = None  # the async writer, for this layout
+        self._pending: tuple[int, str, dict[str, Any], threading.Thread | None, dict[str, Any]] | None = None
+        # distlib.shutdown() (and the exit hook) commit a save still in flight, and drop this object's group
+        process_group.on_shutdown(self._at_shutdown)
+
+    # ---- directory --------------------------------------------------------------------
+
+    def paths(self) -> list[str]:
+        """Committed checkpoint directories, newest first (a partial one of an interrupted save is not listed)."""
+        if not os.path.isdir(self.directory):
+            return []
+        found = [(int(m.group(1)), n) for n in os.listdir(self.directory) if (m := _NAME.match(n))]
+        return [os.path.join(self.directory, n) for _, n in sorted(found, reverse=True)]
+
+    def _partials(self) -> list[str]:
+        if not os.path.isdir(self.directory):
+            return []
+        return [os.path.join(self.directory, n) for n in sorted(os.listdir(self.directory)) if _PARTIAL.match(n)]
+
+    # ---- collectives --------------------------------------------------------------------
+
+    def _pg(self) -> dist.ProcessGroup | None:
+        """A gloo group of its own: DCP's planning collectives and the commit barrier run in it, so a
+        background save never interleaves with the training's collectives (and works under NCCL)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None  # world size 1 without a process group
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")  # a collective: every rank is in save/resume here
+        return self._group
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        group = self._pg()
+        if group is None:
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    def _fail_together(self, error: str | None) -> None:
+        """Raise CheckpointError on every rank when any rank has an error: none hangs in a later collective."""
+        errors = [e for e in self._all_gather(error) if e]
+        if errors:
+            raise CheckpointError(errors[0])
+
+    # ---- save -----------------------------------------------------------------------------
+
+    def save(self, step: int, objects: Mapping[str, Any], *, async_: bool = False) -> None:
+        """Write a checkpoint of ``objects`` (name -> module, optimizer, scheduler, plain dict, ...) at ``step``.
+
+        With ``async_=True`` the state is copied (staged) to host memory, the write continues in a background
+        thread and this returns; the checkpoint is committed by the next ``save``, ``wait`` or ``close``, once
+        every rank finished writing. Waits for the previous save first. A collective: every rank must call
+        it, in the same order, with the same ``step``. Raises CheckpointError on every rank when one cannot
+        write (a leftover partial directory names itself and the fix).
+        """
+        self.wait()
+        rank = collectives.rank()
+        partial = os.path.join(self.directory, f".partial-{_step_name(step)}")
+        error = None
+        if rank == 0:
+            if os.path.isdir(partial) and os.listdir(partial):
+                error = (
+                    f"{partial} is not empty: a save of step {step} was interrupted, or another run writes into "
+                    f"{self.directory}; delete that directory (resume() deletes partial ones of this run), or give "
+                    "each run its own checkpoint directory"
+                )
+            else:
+                os.makedirs(partial, exist_ok=True)
+        self._fail_together(error)
+        marker = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "world_size": collectives.world_size(),
+            "objects": sorted(objects),
+            "fingerprint": {"tensors": model_fingerprint(objects), "settings": self.settings},
+        }
+        state = _state_dicts(objects)
+        files: dict[str, Any] = {}
+        if async_:
+            if self._writer is None or self._writer[1] != _layout(state):
+                # reused: on a GPU machine it keeps its pinned host copy of the state between saves (staging then
+                # copies, never allocates); pinning needs CUDA, so on the CPU each save stages into new memory
+                cache = torch.cuda.is_available()
+                self._writer = (dcp.FileSystemWriter(partial, cache_staged_state_dict=cache), _layout(state))
+            result = dcp.async_save(
+                state, checkpoint_id=partial, storage_writer=self._writer[0], process_group=self._pg()
+            )
+            future: Future = getattr(result, "upload_completion", result)  # newer torch: AsyncSaveResponse
+
+            def finish() -> None:  # the write, then this rank's hashes, off the training thread
+                try:
+                    future.result()
+                    files.update(_own_files(partial, rank))
+                except BaseException as e:  # reported by wait() on every rank
+                    files["error"] = f"{type(e).__name__}: {e}"
+
+            thread = threading.Thread(target=finish, name="distlib-checkpoint", daemon=True)
+            thread.start()
+            self._pending = (step, partial, marker, thread, files)
+            _IN_FLIGHT.add(self)
+            return
+        try:
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), process_group=self._pg())
+            files.update(_own_files(partial, rank))
+        except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
+            files["error"] = f"{type(e).__name__}: {e}"
+        self._pending = (step, partial, marker, None, files)
+        self.wait()
+
+    def wait(self) -> None:
+        """Wait for the save in flight (if any) on every rank, then commit it: rank 0 writes ``commit.json``
+        into the partial directory and renames it to its final name, then deletes all but the newest
+        ``keep``. A collective: every rank must call it, in the same order. Raises CheckpointError on
+        every rank when any rank failed to write."""
+        if self._pending is None:
+            return
+        step, partial, marker, thread, files = self._pending
+        self._pending = None
+        _IN_FLIGHT.discard(self)
+        if thread is not None:
+            thread.join()
+        error = files.pop("error", None)
+        if error:
+            error = f"rank {collectives.rank()} could not write checkpoint {partial}: {error}"
+        self._fail_together(error)
+        every = self._all_gather(files)  # also the barrier: every rank's shards are on disk
+        error = None
+        if collectives.rank() == 0:
+            try:
+                self._commit(step, partial, {**marker, "files": {k: v for f in every for k, v in f.items()}})
+            except OSError as e:
+                error = f"rank 0 could not commit checkpoint {partial}: {type(e).__name__}: {e}"
+        self._fail_together(error)
+
+    def _commit(self, step: int, partial: str, marker: dict[str, Any]) -> None:
+        path = os.path.join(partial, MARKER)
+        with open(path + ".tmp", "w") as f:
+            json.dump(marker, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+        _fsync_dir(partial)
+        final = os.path.join(self.directory, _step_name(step))
+        if os.path.isdir(final):  # a step saved again (a run resumed from an older checkpoint)
+            shutil.rmtree(final)
+        os.replace(partial, final)  # the commit: a directory with the final name is complete
+        _fsync_dir(self.directory)
+        for old in self.paths()[self.keep :]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        """Commit the save in flight, if any. A collective: every rank must call it, in the same order."""
+        self.wait()
+
+    def _at_shutdown(self, together: bool) -> None:
+        """``distlib.shutdown()``'s call: commit the save in flight when every rank shuts down alike
+        (``together``), else finish this rank's write only (its files complete, the checkpoint
+        uncommitted: committing needs every rank); then drop the group, destroyed next."""
+        try:
+            if together:
+                self.wait()
+            elif self._pending is not None:
+                step, partial, _, thread, _ = self._pending
+                self._pending = None
+                _IN_FLIGHT.discard(self)
+                if thread is not None:
+                    thread.join()
+                get_logger().warning(
+                    "the checkpoint of step %d in %s is not committed: shutdown after a failure, and a commit "
+                    "needs every rank; the previous checkpoint stays the one a resume loads", step, partial,
+                )  # fmt: skip
+        finally:
+            self._group, self._writer = None, None
+
+    # ---- load -----------------------------------------------------------------------------
+
+    def _read_marker(self, path: str) -> dict[str, Any]:
+        marker_path = os.path.join(path, MARKER)
+        try:
+            with open(marker_path) as f:
+                marker = json.load(f)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{marker_path}: unreadable ({type(e).__name__}: {e}); delete {path}") from e
+        if marker.get("format") != FORMAT or marker.get("version") != VERSION:
+            raise CheckpointError(f"{marker_path}: not a distlib sharded checkpoint of version {VERSION}")
+        return marker
+
+    def _check_files(self, path: str, marker: Mapping[str, Any]) -> str | None:
+        """This rank's share of the files (every world_size-th): present, of the size and sha256 written."""
+        rank, world = collectives.rank(), collectives.world_size()
+        for i, (name, want) in enumerate(sorted(marker["files"].items())):
+            if i % world != rank and not (name == ".metadata"):
+                continue
+            file = os.path.join(path, name)
+            if not os.path.isfile(file):
+                return f"{file} is missing"
+            size = os.path.getsize(file)
+            if size != want["bytes"]:
+                return f"{file} has {size} bytes, {want['bytes']} were written (truncated or overwritten)"
+            if self.verify and (i % world == rank) and _sha256(file) != want["sha256"]:
+                return f"{file}: sha256 mismatch (the file is corrupted)"
+        return None
+
+    def resume(self, objects: Mapping[str, Any]) -> int | None:
+        """Load the newest committed checkpoint into ``objects`` in place; returns its step, or None when
+        there is none (a fresh start). Every rank reads the parts of the shards it holds itself.
+
+        Partial directories of interrupted saves are deleted first. A collective: every rank must call
+        it, in the same order. Raises CheckpointError on every rank when the checkpoint is from another
+        model or settings, or a shard file is missing or corrupt (it names the file and the fix).
+        """
+        self.wait()
+        log = get_logger()
+        found = None
+        if collectives.rank() == 0:
+            for p in self._partials():
+                log.warning("deleting %s, the partial directory of an interrupted save", p)
+                shutil.rmtree(p, ignore_errors=True)
+            paths = self.paths()
+            found = paths[0] if paths else None
+        found = self._all_gather(found)[0]
+        if found is None:
+            return None
+        error = None
+        try:
+            marker = self._read_marker(found)
+            diff = differences(
+                marker["fingerprint"], {"tensors": model_fingerprint(objects), "settings": self.settings}
+            )
+            missing = [n for n in objects if n not in marker["objects"]]
+            if diff:
+                raise CheckpointError(
+                    f"checkpoint {found} is from another model or settings:\n"
+                    + "\n".join(f"  - {d}" for d in diff)
+                    + f"\nuse another checkpoint directory than {self.directory}, or delete its checkpoints"
+                )
+            if missing:
+                raise CheckpointError(
+                    f"checkpoint {found} has no state for {', '.join(missing)} (it holds "
+                    f"{', '.join(marker['objects'])}); save every object you resume"
+                )
+            problem = self._check_files(found, marker)
+            if problem:
+                raise CheckpointError(
+                    f"checkpoint {found} is damaged: {problem}; delete {found} to resume from the previous one"
+                )
+        except CheckpointError as e:
+            error = str(e)
+        self._fail_together(error)
+        saved = dcp.FileSystemReader(found).read_metadata().state_dict_metadata
+        for name, obj in objects.items():
+            if isinstance(obj, dict):  # a plain dict takes the values saved under keys it lacks
+                for fqn, meta in saved.items():
+                    key = fqn[len(name) + 1 :] if fqn.startswith(f"{name}.") else ""
+                    if key and "." not in key and key not in obj and isinstance(meta, BytesStorageMetadata):
+                        obj[key] = None
+        states = _state_dicts(objects)
+        # a ShardedOptimizer's fp32 masters, absent from a plain optimizer's checkpoint: taken from the
+        # parameters instead (load_state_dict); a plain optimizer has no place for them and steps the parameters
+        mine = flatten_state_dict(states)[0]
+        _drop(states, [k for k in mine if k not in saved and any(_is_master(k, n, objects) for n in objects)])
+        # over every rank: a ShardedOptimizer's rank holds the state of the parameters in its slice only
+        have = set().union(*self._all_gather(sorted(flatten_state_dict(states)[0])))
+        lacking = {n: [k for k in saved if k.startswith(f"{n}.") and k not in have and not _is_master(k, n, objects)]
+                   for n in objects}  # fmt: skip
+        lacking = {n: keys for n, keys in lacking.items() if keys}
+        if lacking:
+            name, keys = next(iter(lacking.items()))
+            raise CheckpointError(
+                f"{name!r} ({type(objects[name]).__name__}) has no place for {len(keys)} value(s) checkpoint {found} "
+                f"holds ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}): its state_dict() must have "
+                "every key and tensor before resume (create its state first, e.g. as its first step would)"
+            )  # the same on every rank: every rank reads the same .metadata and gathers the same keys
+        error, fitted = None, []
+        try:
+            fitted = _fit_to_saved(states, saved, found)  # a ShardedOptimizer's flat layout <-> parameters' shapes
+        except CheckpointError as e:
+            error = str(e)
+        self._fail_together(error)
+        try:
+            dcp.load(states, storage_reader=dcp.FileSystemReader(found), process_group=self._pg())
+            for put in fitted:
+                put()
+        except (Exception, CheckpointException) as e:  # DCP's own is a BaseException; corrupt bytes, a foreign file
+            error = (
+                f"checkpoint {found} could not be loaded ({type(e).__name__}: {str(e)[:300]}); "
+                "delete it to resume from the previous one"
+            )
+        self._fail_together(error)
+        _load_into(objects, states)
+        log.info("resumed from %s (step %d, saved by %d rank(s))", found, marker["step"], marker["world_size"])
+        return int(marker["step"])
+
+
+def _resolve(checkpoint_dir: str) -> str:
+    """A committed checkpoint directory itself, or the newest one in a checkpointer's directory."""
+    if os.path.isfile(os.path.join(checkpoint_dir, MARKER)):
+        return checkpoint_dir
+    paths = ShardedCheckpointer(checkpoint_dir).paths()
+    if not paths:
+        raise CheckpointError(
+            f"{checkpoint_dir} holds no committed sharded checkpoint (no {MARKER}); give a step directory or "
+            "the directory a ShardedCheckpointer saved into"
+        )
+    return paths[0]
+
+
+def export_checkpoint(checkpoint_dir: str, path: str) -> str:
+    """Write the checkpoint in ``checkpoint_dir`` (a step directory, or the newest in a checkpointer's
+    directory) as one ``torch.save`` file: ``{name: state_dict}`` with whole tensors, so that
+    ``model.load_state_dict(torch.load(path)["model"])`` works on a plain model. Run it in one process:
+    it holds the whole state in host memory. Returns the checkpoint directory it exported."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    source = _resolve(checkpoint_dir)
+    ShardedCheckpointer(checkpoint_dir)._read_marker(source)
+    dcp_to_torch_save(source, path)
+    return source
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m distlib.checkpoint.sharded CHECKPOINT_DIR OUT.pt``: ``export_checkpoint`` from a shell."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m distlib.checkpoint.sharded", description=export_checkpoint.__doc__)
+    p.add_argument("checkpoint_dir", help="a step directory, or the directory a ShardedCheckpointer saved into")
+    p.add_argument("path", help="the torch.save file to write")
+    args = p.parse_args(argv)
+    try:
+        source = export_checkpoint(args.checkpoint_dir, args.path)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.path} from {source}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Data: the sharded, resumable loader."""

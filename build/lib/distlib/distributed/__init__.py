@@ -1,0 +1,1 @@
+"""Processes and communication: the process group, the launchers' environments, collectives."""

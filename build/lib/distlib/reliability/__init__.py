@@ -1,0 +1,1 @@
+"""Reliability: stop signals, the watchdog, failure reports."""

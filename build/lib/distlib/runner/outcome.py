@@ -1,0 +1,72 @@
+"""How a run ends: one line and an exit code for each kind of failure, and a fast exit."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+from distlib.distributed.process_group import context
+from distlib.errors import DistlibError
+from distlib.parallel.grad_sync import GradSyncTimeout
+from distlib.reliability.failures import describe
+
+# A rank under torchrun that is not its node's local rank 0 waits this long for torchrun to end it
+# after a configuration error (local rank 0 reports it and exits first); then it reports it itself.
+PEER_REPORT_WAIT_S = 30.0
+
+
+def exit_code(e: BaseException, timeout_s: float, *, before_start: bool = False) -> int | None:
+    """Say in one line why the run ends and return its exit code; None for a bug (re-raise it).
+
+    2: bad input (the config, environment, data or a checkpoint); 1: a collective timed out or
+    lost a peer; 130: Ctrl-C before training started (stops inside it return their own codes).
+    ``before_start``: the error came from the recipe, before any process group (every local rank
+    of a torchrun node read the same files and raised the same): reported once per node.
+    """
+    if before_start and isinstance(e, DistlibError):
+        report_config_error(str(e))
+        return 2
+    if (
+        isinstance(e, GradSyncTimeout)
+        and (message := describe(e, rank=getattr(context(), "rank", 0), timeout_s=timeout_s)) is not None
+    ):
+        code = 1  # a collective that timed out: another rank stalled or died (the runner has no uneven inputs)
+    elif isinstance(e, DistlibError):
+        message, code = str(e), 2
+    elif isinstance(e, KeyboardInterrupt):  # a second Ctrl-C, or one before training started
+        message, code = "interrupted", 130
+    elif (message := describe(e, rank=getattr(context(), "rank", 0), timeout_s=timeout_s)) is not None:
+        code = 1
+    else:  # a bug: its traceback says more than one line could
+        return None
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def report_config_error(message: str) -> None:
+    """Print a configuration error once per torchrun node, by local rank 0, not once per rank.
+
+    Under torchrun the other local ranks raised the same error from the same files: they print
+    nothing and wait (``PEER_REPORT_WAIT_S``) for torchrun, which ends them once local rank 0 has
+    exited with status 2, so the message cannot be lost to a rank that was ended before it printed.
+    torchrun's failure summary then names local rank 0's exit code 2 as the root cause (torchrun
+    itself exits 1, as for any failed worker). Not written: torchrun's error file
+    (``TORCHELASTIC_ERROR_FILE``), which would replace the summary's link with a line of ours but
+    makes the agent log an error of its own. Without torchrun: printed at once.
+    """
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if under_torchrun and os.environ.get("LOCAL_RANK", "0") != "0":
+        time.sleep(PEER_REPORT_WAIT_S)  # torchrun ends this process here in the usual case
+    print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def fast_exit(code: int) -> None:
+    """Exit without the interpreter's finalization, which takes seconds once torch is imported
+    (module teardown, not work of ours). Only after a clean return of ``main``: the process
+    group is destroyed, every file we wrote is closed, the device idle; output is flushed here."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,226 @@
+"""One training step, whichever way gradients are synced: ``loss = step(x, y)``.
+
+The trainer sees only ``TrainStep``; ``build_step`` alone picks the implementation from
+``dist.mode`` and ``dist.shard``:
+
+- ``process_per_gpu``: ``GradSyncStep``, one process per GPU with distlib.GradSync (with
+  ``dist.shard=optimizer`` its reduce-scatter and the ShardedOptimizer; with ``full`` FSDPSync
+  over the model from ``shard_model``, FSDP2's mixed precision in place of autocast), run
+  eagerly (``grad_accum`` micro-steps, communication on the last only) or replayed as one
+  CUDA graph (``train.cuda_graph``, distlib/step/cuda_graph.py); the model compiled by
+  ``distlib.compile_for_sync`` with ``train.compile`` (its kernels then inside the graph);
+- ``fallback``: ``ReplicasStep``, one process drives every GPU of its node (distlib.Replicas,
+  distlib/parallel/comm_fallback.py).
+
+Every step runs forward, backward, the gradient sync, the optimizer step and ``post_step`` (the
+weight EMA's update; inside the graph when there is one), and returns this rank's mean loss
+(not synced). Loss scaling (fp16) and gradient clipping are the shared ``OptimizerStep``'s
+(runner/optimizer_step.py), run only on the averaged gradients; the clipping norm is the sync's
+``clip_grad_norm_``, the global norm whether the gradients are replicated or sharded. Calling a step is a collective:
+every rank must call it alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import distlib
+from distlib.distributed.process_group import Context, EnvError
+from distlib.parallel.comm_fallback import Replicas, node_devices
+from distlib.runner.config import Config, ConfigError
+from distlib.runner.losses import cross_entropy
+from distlib.runner.optimizer_step import OptimizerSpec, OptimizerStep, autocast_dtype
+from distlib.runner.warmup import warm_up
+from distlib.step.cuda_graph import build_train_step
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class TrainStep:
+    """``loss = step(x, y)``: one optimizer step on this rank's batch."""
+
+    optimizer: torch.optim.Optimizer
+    modules: list[nn.Module]  # every module the step changes (the model and any replicas of it)
+    update: OptimizerStep  # unscale, clip and step, on the averaged gradients
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def warm_up(self, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
+        """Run ``steps`` real steps on ``(x, y)`` (cuDNN autotuning, lazy set-up, graph capture),
+        then put the weights, buffers and optimizer state back as they were. A collective."""
+        scaler = self.update.scaler
+        saved = scaler.state_dict() if scaler is not None else None
+        warm_up(lambda: self(x, y), self.modules, self.optimizer, steps)
+        if scaler is not None:
+            scaler.load_state_dict(saved)  # in place: the scale tensor keeps its storage
+
+    def sync_buffers(self) -> None:
+        """Bring the buffers of every device this process drives into the model, before it is
+        evaluated or saved. A collective."""
+
+    def close(self) -> None:
+        """Release what the step holds (hooks, graphs); before the process group goes."""
+
+
+class GradSyncStep(TrainStep):
+    """One process per GPU: the gradient sync (GradSync: all_reduce, or reduce_scatter for the
+    sharded optimizer; FSDPSync: FSDP2's reduce-scatters) runs in buckets during the backward."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sync: distlib.GradSync | distlib.FSDPSync,
+        loss_of: LossFn,  # (inputs, targets) -> mean loss, the model's forward inside
+        *,
+        update: OptimizerStep,
+        grad_accum: int = 1,
+        cuda_graph: bool = False,
+        post_step: Callable[[], None] | None = None,
+    ):
+        self.model, self.optimizer, self.sync, self.loss_of = model, optimizer, sync, loss_of
+        self.post_step = post_step
+        self.modules = [model]
+        self.update = update
+        self.grad_accum = grad_accum
+        if cuda_graph and update.scaler is not None:  # load_config refuses this; a GradScaler's step syncs the host
+            raise ValueError("a captured CUDA-graph step cannot run a GradScaler")
+        # the whole step as one CUDA graph, or None: eager (with a warning saying why, if it was asked for)
+        self.graph = build_train_step(cuda_graph, model, optimizer, loss_of, sync, grad_accum=grad_accum,
+                                      before_step=update.clip if update.clip_grad_norm > 0 else None,
+                                      post_step=post_step)  # fmt: skip
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.graph is not None:  # forward, backward, all_reduce and SGD: one graph replay
+            return self.graph(x, y)
+        n = self.grad_accum
+        micro = x.shape[0] // n
+        loss = torch.zeros((), device=x.device)
+        for k in range(n):
+            with contextlib.nullcontext() if k == n - 1 else self.sync.no_sync():
+                micro_loss = self.loss_of(x[k * micro : (k + 1) * micro], y[k * micro : (k + 1) * micro])
+                self.update.scale(micro_loss / n).backward()
+                self.sync.wait()
+            loss += micro_loss.detach() / n
+        self.update.step()  # after wait(): the averaged gradients, the same on every rank
+        if self.post_step is not None:
+            self.post_step()
+        return loss
+
+    def close(self) -> None:
+        if self.graph is not None:
+            self.graph.close()
+        self.sync.close()
+
+
+class ReplicasStep(TrainStep):
+    """One process per node: the batch is split over the node's GPUs and the root replica
+    gets the gradients averaged over every GPU of every node."""
+
+    def __init__(
+        self,
+        replicas: Replicas,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,  # (outputs, targets) -> mean loss of a shard
+        *,
+        update: OptimizerStep,
+        autocast_dtype: torch.dtype | None,
+        grad_accum: int = 1,
+        post_step: Callable[[], None] | None = None,
+    ):
+        self.replicas, self.optimizer, self.update = replicas, optimizer, update
+        self.loss_fn = lambda out, y: update.scale(loss_fn(out, y))  # scaled on each replica's device
+        self.post_step = post_step
+        self.modules = list(replicas.models)
+        self.autocast_dtype = autocast_dtype
+        self.grad_accum = grad_accum
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        scaled = self.replicas.train_step(
+            x, y, self.loss_fn, autocast_dtype=self.autocast_dtype, grad_accum=self.grad_accum
+        )
+        loss = scaled / self.update.scale(torch.ones_like(scaled))  # the scale this step's backward used
+        self.update.step()  # the root holds the gradients averaged over every GPU of every node
+        if self.post_step is not None:
+            self.post_step()
+        return loss
+
+    def sync_buffers(self) -> None:
+        self.replicas.sync_buffers()  # BatchNorm statistics averaged over every GPU into the root
+
+
+def build_step(
+    cfg: Config,
+    ctx: Context,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | OptimizerSpec,
+    per_rank: int,
+    post_step: Callable[[], None] | None = None,
+    loss_fn: LossFn | None = None,
+) -> TrainStep:
+    """The step for ``cfg.dist.mode`` and ``cfg.dist.shard``, with its optimizer (``step.optimizer``),
+    built from ``optimizer`` (a spec, or an optimizer already built over ``model``'s parameters;
+    ``dist.shard=optimizer`` builds the sharded one from its class and groups). ``model``: with
+    ``dist.shard=full`` the model from ``shard_model`` (Trainer.build_model). ``per_rank``: this
+    process's batch. ``post_step``: run after each optimizer step (captured with it).
+    ``loss_fn(outputs, targets)``: the task's mean loss (default: cross-entropy with
+    train.label_smoothing). A collective (GradSync and Replicas start from rank 0's weights):
+    every rank must call it."""
+    t, shard = cfg.train, cfg.dist.shard
+    spec = optimizer if isinstance(optimizer, OptimizerSpec) else None
+    dtype = autocast_dtype(t.precision, ctx.device)
+    scaler = torch.amp.GradScaler(ctx.device.type) if dtype is torch.float16 else None
+    if loss_fn is None:
+        loss_fn = functools.partial(cross_entropy, label_smoothing=t.label_smoothing)
+    if cfg.dist.mode == "fallback":
+        try:
+            devices = node_devices(ctx.device, ctx.local_world_size)
+        except ValueError as e:  # several processes on one node would each drive every GPU
+            raise EnvError(f"dist.mode=fallback: {e}") from e
+        replicas = Replicas(model, devices, bucket_mb=cfg.dist.bucket_mb, cuda_graph=t.cuda_graph)
+        try:
+            replicas.check_batch(per_rank, t.grad_accum)
+        except ValueError as e:
+            raise ConfigError([f"train.batch_size={t.batch_size} with dist.mode=fallback: {e}"]) from e
+        opt = spec.build() if spec is not None else optimizer
+        update = OptimizerStep(opt, scaler=scaler, clip_grad_norm=t.clip_grad_norm)
+        return ReplicasStep(replicas, opt, loss_fn, update=update, autocast_dtype=dtype, grad_accum=t.grad_accum,
+                            post_step=post_step)  # fmt: skip
+
+    if shard == "full":
+        sync = distlib.FSDPSync(model)
+        # FSDP2's mixed precision (shard_model's param_dtype) replaces autocast: the weights are
+        # gathered in bf16 and every layer computes in it; the loss is taken in fp32
+        autocast = contextlib.nullcontext()
+        net = model
+    else:
+        # broadcast_buffers=False: the runner averages the BatchNorm statistics over the ranks with
+        # sync_buffers() before each evaluation instead (every rank's data counts), so the per-forward
+        # broadcast of rank 0's buffers would only cost a collective per step
+        sync = distlib.GradSync(model, bucket_mb=cfg.dist.bucket_mb, compress=cfg.dist.compress,
+                                comm_groups=cfg.dist.comm_groups, shard=shard, broadcast_buffers=False)  # fmt: skip
+        autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None)
+        # compiled at the first step (the warm-up, on a GPU), one graph per bucket so the all_reduces overlap
+        net = distlib.compile_for_sync(model, sync) if t.compile else model
+    if shard == "optimizer":
+        spec = spec or OptimizerSpec.of(optimizer)
+        opt = sync.sharded_optimizer(spec.cls, spec.groups, **spec.kwargs)
+    else:
+        opt = spec.build() if spec is not None else optimizer
+    update = OptimizerStep(opt, scaler=scaler, clip_grad_norm=t.clip_grad_norm, clip_fn=sync.clip_grad_norm_)
+
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with autocast:
+            out = net(x)
+            if shard == "full" and out.dtype == torch.bfloat16:
+                out = out.float()  # as autocast would: the loss's softmax and log in fp32
+            return loss_fn(out, y)
+
+    return GradSyncStep(model, opt, sync, loss_of, update=update, grad_accum=t.grad_accum,
+                        cuda_graph=t.cuda_graph, post_step=post_step)  # fmt: skip

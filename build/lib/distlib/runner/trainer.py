@@ -1,0 +1,458 @@
+"""The recipe runner's training, in stages: build, step, epoch, evaluate, checkpoint, close.
+
+    trainer = Trainer(cfg, ctx)       # after distlib.init
+    try:
+        trainer.build()               # data, model, step, optimizer, schedule, EMA, run dir; warm-up; resume
+        code = trainer.fit()          # 0, or 128 + the signal's number when SIGTERM/SIGINT stopped it
+    finally:
+        trainer.close(error)          # the one teardown, for success and every failure
+
+What it trains for (data, loss, evaluation, metrics) is the ``Task``'s business
+(runner/tasks.py): image classification or causal language modelling, chosen by ``build_task``.
+Where the run stands (epochs done, steps into the next, its clocks, this rank's loss sum)
+is a ``TrainState``, saved in every checkpoint, so a resumed run continues bit for bit.
+How gradients are synced is the ``TrainStep``'s business (runner/step.py), and the checkpoint
+format the ``RunCheckpoints``' (runner/checkpoints.py): nothing here depends on ``dist.mode``, and
+``dist.shard`` only where the model is made (``build_model``) and where a fully sharded model
+must run its forward passes on every rank (``finish_task``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import distlib
+from distlib.checkpoint.checkpointer import fingerprint
+from distlib.distributed.process_group import Context
+from distlib.reliability.failures import abort, describe
+from distlib.reliability.stop import StopSignal
+from distlib.reliability.watchdog import Watchdog
+from distlib.runner import components
+from distlib.runner.budget import Budget
+from distlib.runner.checkpoints import build_checkpoints
+from distlib.runner.config import Config, ConfigError, dump_yaml
+from distlib.runner.environment import bytecode_hint, environment_json
+from distlib.runner.models import count_params, param_groups
+from distlib.runner.optimizer_step import OptimizerSpec, autocast_dtype
+from distlib.runner.plots import CurvePlot
+from distlib.runner.profiling import StepProfiler
+from distlib.runner.progress import TrainingProgress
+from distlib.runner.run_dir import RunDir
+from distlib.runner.schedule import WarmupLinear, ema_decay, retarget, warmup_linear
+from distlib.runner.step import TrainStep, build_step
+from distlib.runner.tasks import Task, build_task
+from distlib.runner.tensorboard_log import TensorBoardLog
+from distlib.runner.throughput import peak_memory_gib
+from distlib.runner.timeline import Timeline
+
+# may change on a resume: they do not change what the weights are, or (the budget: train.epochs,
+# train.max_steps) the resumed run recomputes its schedule over the new total and says so
+_RESUME_FREE = {
+    "train.eval_every", "train.tta", "train.tta_translate", "train.cuda_graph", "train.prewarm_steps",
+    "train.cudnn_benchmark", "train.compile", "train.peak_tflops", "train.sample_tokens",
+    "train.epochs", "train.max_steps", "train.eval_every_steps",
+}  # fmt: skip
+
+
+def resume_settings(cfg: Config) -> dict:
+    """The settings a checkpoint is valid for: model, optimizer and schedule, data order and augmentation."""
+    sections = ("model", "loss", "train")
+    flat = {f"{sec}.{k}": v for sec in sections for k, v in dataclasses.asdict(getattr(cfg, sec)).items()}
+    flat |= {f"data.augment.{k}": v for k, v in dataclasses.asdict(cfg.data.augment).items()}
+    flat |= {"data.train_subset": cfg.data.train_subset, "data.name": cfg.data.name, "data.args": cfg.data.args}
+    return {k: v for k, v in flat.items() if k not in _RESUME_FREE}
+
+
+@dataclass
+class TrainState:
+    """Where the run stands; saved in checkpoints as "train_state".
+
+    The clocks are rank 0's (``state_dict``); ``loss_sum`` is each rank's own
+    (``rank_state_dict``: the checkpoint keeps one per rank).
+    """
+
+    epoch: int = 0  # epochs completed
+    step: int = 0  # steps done in epoch + 1
+    train_s: float = 0.0  # the training clock: the steps of every epoch, and the final evaluation
+    elapsed_s: float = 0.0  # since the first step, evaluations and checkpoints included
+    epoch_s: float = 0.0  # spent in epoch + 1 so far (non-zero only when stopped inside it)
+    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # this rank's, over epoch + 1 so far
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "step": self.step, "train_s": self.train_s, "elapsed_s": self.elapsed_s,
+                "epoch_s": self.epoch_s}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        self.train_s, self.elapsed_s, self.epoch_s = state["train_s"], state["elapsed_s"], state["epoch_s"]
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        return {"loss_sum": self.loss_sum}
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        self.loss_sum = state["loss_sum"].to(self.loss_sum.device)
+
+
+class Trainer:
+    """Trains ``cfg`` on this rank. ``build``, ``fit`` and the stages they run are collectives:
+    every rank must call them, in the same order. ``close`` is the one teardown."""
+
+    def __init__(self, cfg: Config, ctx: Context, timeline: Timeline | None = None):
+        self.cfg, self.ctx = cfg, ctx
+        self.timeline = timeline or Timeline()
+        self.timeline.mark("init")  # config and process group (NCCL: CUDA context and communicator)
+        self.finished_rows: list[dict[str, Any]] | None = None  # metrics.jsonl once training completed
+        self.log = distlib.get_logger()
+        if ctx.is_main and (hint := bytecode_hint()):
+            self.log.warning(hint)
+        self.state = TrainState()
+        self.progress = TrainingProgress(cfg.run.progress, enabled=ctx.is_main)  # rank 0 only
+        p = cfg.profile
+        self.profiler = StepProfiler(os.path.join(cfg.run.out_dir, "profile"), ctx.rank, ctx.device,
+                                     enabled=p.enabled, wait=p.wait, warmup=p.warmup, active=p.active)  # fmt: skip
+        self.step_fn: TrainStep | None = None
+        self.task: Task | None = None
+        self.tensorboard: TensorBoardLog | None = None
+        self.stop: StopSignal | None = None
+        # a rank that stops running (SIGSTOP, frozen host) is killed soon after its peers time out
+        self.watchdog = Watchdog(cfg.dist.timeout_s, ctx.rank) if ctx.world_size > 1 else None
+
+    # ---- build ---------------------------------------------------------------------------
+
+    def build(self) -> None:
+        """Task (its data), model, training step, optimizer, schedule, EMA and run directory; then
+        the warm-up (on a GPU) and the resume from the newest checkpoint in run.out_dir."""
+        cfg, ctx, t = self.cfg, self.ctx, self.cfg.train
+        if t.batch_size % (ctx.world_size * t.grad_accum):
+            raise ConfigError([f"train.batch_size={t.batch_size} must divide evenly over "
+                               f"{ctx.world_size} ranks x train.grad_accum={t.grad_accum}"])  # fmt: skip
+        self.per_rank = t.batch_size // ctx.world_size
+        if ctx.device.type == "cuda":
+            torch.backends.cudnn.benchmark = t.cudnn_benchmark
+        self.task = build_task(cfg, ctx, self.per_rank, self.timeline)  # its data loaded
+        self.loader = self.task.loader
+        torch.manual_seed(t.seed)  # after the data: a first decode draws from the global generator
+        self.model = model = self.build_model()
+        # weight averaging: evaluate an EMA of the weights (and BN buffers) when train.ema > 0; the
+        # step updates it after the optimizer, inside the CUDA graph when there is one
+        self.ema: distlib.EMA | None = None
+        self.step_fn = build_step(cfg, ctx, model, self.build_optimizer(model), self.per_rank,
+                                  post_step=(lambda: self.ema.update()) if t.ema > 0 else None,
+                                  loss_fn=self.task.loss_fn())  # fmt: skip
+        self.optimizer = self.step_fn.optimizer  # built by the step: sharded with dist.shard=optimizer
+        if t.ema > 0:  # the weights the step broadcast, where the optimizer keeps them
+            self.ema = distlib.EMA(model, ema_decay(t.ema, 0))
+            self.step_fn.modules.append(self.ema.module)  # the warm-up puts the average back too
+        self.timeline.mark("model")  # model, optimizer, gradient sync, graph set-up
+        self.budget = Budget.of(cfg, len(self.loader))
+        self.scheduler = warmup_linear(self.optimizer, self.budget.total_steps, t.warmup_frac, t.schedule,
+                                       t.min_lr_frac)  # fmt: skip
+        dtype = autocast_dtype(t.precision, ctx.device)  # evaluation runs in the training's precision
+        self.autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None)
+        self.run = RunDir(cfg.run.out_dir, ctx.is_main)
+        self.run.write_text("config.yaml", dump_yaml(cfg))
+        self.run.write_text("environment.json", environment_json(ctx))  # a collective: every rank calls it
+        self.log.info(
+            "%s (%s): %d params, %d train / %d evaluation samples, global batch %d over %d rank(s), %d steps/epoch",
+            cfg.model.name, self.task.name, count_params(model), self.task.train_size, self.task.eval_size,
+            t.batch_size, ctx.world_size, len(self.loader),
+        )  # fmt: skip
+        self.log.info("budget: %s", self.budget.describe())
+        self.timeline.mark("run_dir")  # config.yaml, environment.json
+        if ctx.device.type == "cuda":
+            self.warm_up()
+            self.timeline.mark("warmup_eval")  # the first evaluation (its cuDNN autotuning)
+        self.resume()
+        self.timeline.mark("resume")
+
+    def build_model(self) -> torch.nn.Module:
+        """The model of model.name with model.args (and what the task provides, when it takes
+        it), on this rank's device: the one place a model is made. Built directly on the device
+        (``with torch.device(device)``) under the random stream seeded with train.seed, in every
+        dist.shard mode: the same weights in every mode and at every world size. With
+        dist.shard=full ``shard_model`` then keeps this rank's shards (FSDP2 per entry of the
+        model's ``blocks``, then the root; bf16 weights in the layers with train.precision=bf16 on
+        a GPU, gradients reduced in fp32)."""
+        cfg, device = self.cfg, self.ctx.device
+
+        def build() -> torch.nn.Module:
+            model = components.build("model", cfg.model.name, cfg.model.args, provided=self.task.model_inputs())
+            if not isinstance(model, torch.nn.Module):
+                raise ConfigError([f"model.name={cfg.model.name!r} returned {type(model).__name__}, "
+                                   "not a torch.nn.Module"])  # fmt: skip
+            return model
+
+        if cfg.dist.shard == "full":
+            dtype = autocast_dtype(cfg.train.precision, device)  # bf16 on a GPU, None (fp32) on the CPU
+            return distlib.shard_model(build, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
+                                       device=device)  # fmt: skip
+        with torch.device(device):  # where it runs: no copy on the host first
+            model = build().to(device)  # .to: a no-op, unless the model put a tensor on a device of its own
+        if cfg.model.channels_last:  # changes 4-D (convolution) weights only
+            model = model.to(memory_format=torch.channels_last)
+        return model
+
+    def build_optimizer(self, model: torch.nn.Module) -> OptimizerSpec:
+        """train.optimizer over the model's parameters, weight decay on the matrices only; the
+        step builds it (over this rank's slice with dist.shard=optimizer)."""
+        t, cuda = self.cfg.train, self.ctx.device.type == "cuda"
+        groups = param_groups(model, t.weight_decay)
+        if t.optimizer == "adamw":
+            # fused: one kernel for every parameter; capturable: its step counter stays on the
+            # GPU, which a captured CUDA graph needs
+            return OptimizerSpec(torch.optim.AdamW, groups, dict(lr=t.lr, betas=(t.beta1, t.beta2),
+                                 fused=True if cuda else None, capturable=t.cuda_graph and cuda))  # fmt: skip
+        return OptimizerSpec(torch.optim.SGD, groups, dict(lr=t.lr, momentum=t.momentum, nesterov=t.nesterov,
+                             fused=True if t.cuda_graph and cuda else None))  # graphs need fused  # fmt: skip
+
+    def warm_up(self) -> None:
+        """cuDNN autotuning, lazy set-up and graph capture, outside the training clock; the
+        weights and optimizer state are then put back as they were."""
+        x, y = self.task.warm_up_batch()
+        self.step_fn.warm_up(x, y, steps=self.cfg.train.prewarm_steps)
+        torch.cuda.synchronize()
+        self.timeline.mark("warmup")  # training steps: cuDNN autotuning, lazy set-up, graph capture
+        self.task.evaluate(self.model, self.autocast, final=True)  # the final one's kernels (tta) too
+        torch.cuda.synchronize()
+
+    def resume(self) -> None:
+        """Continue from the newest checkpoint in run.out_dir (a restart under torchrun
+        --max-restarts); after the warm-up, which resets the optimizer state: the state is
+        copied into its tensors."""
+        cfg = self.cfg
+        self.objects = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
+                        **({"ema": self.ema} if self.ema is not None else {}), "train_state": self.state}  # fmt: skip
+        if self.step_fn.update.scaler is not None:  # fp16: a resumed run carries on with the same loss scale
+            self.objects["scaler"] = self.step_fn.update.scaler
+        self.checkpoints = build_checkpoints(
+            os.path.join(self.run.path, "checkpoints"), self.objects, shard=cfg.dist.shard,
+            fingerprint=fingerprint(self.model, steps_per_epoch=len(self.loader), **resume_settings(cfg)),
+            keep=cfg.run.keep_checkpoints, is_main=self.ctx.is_main,
+        )  # fmt: skip
+        self.checkpoints.resume(enabled=cfg.run.resume, epochs=0)  # whether it is complete: the budget's to say
+        self.resume_budget()
+        self.loader.set_epoch(self.state.epoch)
+        self.run.start_metrics(self.state.epoch, step=self.global_step)
+        # rows from here on are new (metrics.jsonl was trimmed to the checkpoint's step): TensorBoard
+        # drops what an earlier run wrote after that step, or a resumed stretch would show twice
+        self.tensorboard = TensorBoardLog(self.run.path, enabled=cfg.run.tensorboard and self.ctx.is_main,
+                                          purge_step=self.global_step + 1)  # fmt: skip
+        self.curves = CurvePlot(os.path.join(self.run.path, "curves.png"), self.run.read_metrics(),
+                                title=cfg.run.name, enabled=self.ctx.is_main,
+                                metrics_path=self.run.metrics_path)  # fmt: skip
+
+    def resume_budget(self) -> None:
+        """After a resume: the schedule of this run's budget in place of the checkpoint's (a resume may
+        change train.epochs and train.max_steps), and whether anything is left to train."""
+        t, step = self.cfg.train, self.global_step
+        if retarget(self.scheduler, WarmupLinear(self.budget.total_steps, t.warmup_frac, t.schedule, t.min_lr_frac)):
+            if self.ctx.is_main:
+                self.log.warning("the budget changed since the checkpoint: now %s; the learning-rate schedule "
+                                 "is recomputed over it, continuing from step %d", self.budget.describe(),
+                                 step)  # fmt: skip
+        if step and self.budget.done(step) and self.ctx.is_main:
+            self.log.warning("the checkpoint is at step %d, the end of the budget (%s): this run is complete, "
+                             "nothing to do (raise train.epochs or train.max_steps to train on, or set "
+                             "run.resume=false or another run.out_dir to train again)", step,
+                             self.budget.describe())  # fmt: skip
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps done since the run's start, over every epoch (resumes included)."""
+        return self.state.epoch * len(self.loader) + self.state.step
+
+    # ---- train ---------------------------------------------------------------------------
+
+    def fit(self) -> int:
+        """Train from ``state`` to the end of the budget (runner/budget.py). Returns 0, or the exit code
+        of the signal (SIGTERM/SIGINT) that stopped every rank at one step, after saving a checkpoint there."""
+        s, t = self.state, self.cfg.train
+        self._t_start = time.perf_counter() - s.elapsed_s
+        self.stop = StopSignal(timeout_s=self.cfg.dist.timeout_s)
+        by_epochs = self.budget.total_steps == t.epochs * len(self.loader)  # else no "/N" after the epoch shown
+        self.progress.start(epochs=t.epochs if by_epochs else 0, steps_per_epoch=len(self.loader),
+                            images_per_step=t.batch_size * self.task.per_sample, start_epoch=s.epoch + 1,
+                            start_step=s.step, unit=self.task.unit,
+                            total_steps=self.budget.total_steps)  # fmt: skip
+        self.profiler.start()
+        self.timeline.training_started()
+        while not self.budget.done(self.global_step):
+            if not self.train_epoch():
+                return self.stop.exit_code
+        self.finish_task()
+        self.timeline.mark("sample")  # what the task shows at the end: a language model's generated sample
+        self.finished_rows = self.run.read_metrics()  # the summary is printed after the teardown
+        self.curves.write_detached(self.run.metrics_path)  # curves.png appears shortly after the exit
+        self.stop.close()
+        self.timeline.mark("plot")
+        return 0
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One optimizer step (the EMA's update included), the schedule."""
+        device = self.ctx.device
+        if self.ema is not None:
+            self.ema.set_decay(ema_decay(self.cfg.train.ema, self.global_step))
+        loss = self.step_fn(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        self.state.loss_sum += loss
+        self.state.step += 1
+        self.scheduler.step()
+        self.profiler.step()
+        self.progress.step(loss)  # cheap: the loss is read only when the display redraws
+
+    def train_epoch(self) -> bool:
+        """Epoch ``state.epoch + 1`` from step ``state.step`` on, to its end or the budget's, with the
+        evaluations, metrics rows and checkpoints the budget asks for on the way (``end_of_step``).
+        False when a signal stopped it (a checkpoint of that step is saved)."""
+        s, device, budget = self.state, self.ctx.device, self.budget
+        epoch = s.epoch + 1
+        if s.step == 0:
+            s.epoch_s, s.loss_sum = 0.0, torch.zeros(())
+        s.loss_sum = s.loss_sum.to(device)
+        last = min(len(self.loader), budget.total_steps - s.epoch * len(self.loader))  # the budget may end it early
+        t0 = time.perf_counter() - s.epoch_s
+        # this epoch's order, however the last pass ended: cut short by the budget's islice, an
+        # EpochLoader's pass never completes, so it would not advance its epoch itself
+        self.loader.set_epoch(s.epoch)
+        # a loader that can start mid-epoch does so without reading the steps before (a token file)
+        start = getattr(self.loader, "iter_from", None)
+        batches = start(s.step) if start else itertools.islice(self.loader, s.step, None)
+        for x, y in itertools.islice(batches, last - s.step):
+            if self.stop.check():
+                s.epoch_s = time.perf_counter() - t0
+                self.save_checkpoint()
+                if self.ctx.is_main:
+                    self.log.warning("stopped by %s at epoch %d step %d; checkpoint saved in %s: run the same "
+                                     "command to continue", self.stop.name, epoch, s.step,
+                                     self.checkpoints.directory)  # fmt: skip
+                return False
+            self.train_step(x, y)
+            if budget.stops_at(self.global_step):
+                self.stop_clock(t0)
+                self.end_of_step()
+                t0 = time.perf_counter() - s.epoch_s  # evaluations and checkpoints are off the epoch's clock
+        return True
+
+    def stop_clock(self, t0: float) -> None:
+        """The epoch's clock (started at ``t0``) up to the last step, which has finished on the device."""
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        epoch_s = time.perf_counter() - t0
+        self.timeline.add("train", epoch_s - self.state.epoch_s)  # this process's share
+        self.state.epoch_s = epoch_s
+
+    def end_of_step(self) -> None:
+        """What the budget asks for after this step: the evaluation (the final one after the budget's
+        last step), the metrics row (at an evaluation and at an epoch's end), the checkpoint."""
+        s, t, budget = self.state, self.cfg.train, self.budget
+        step, steps = self.global_step, s.step  # global; this epoch's
+        epoch, final, ends_epoch = s.epoch + 1, budget.done(step), s.step == len(self.loader)
+        row = None
+        if ends_epoch or budget.evaluates(step):
+            results = self.evaluate(final=final) if budget.evaluates(step) else dict.fromkeys(self.task.metrics)
+            train_loss = distlib.all_reduce(s.loss_sum.clone(), op="mean").item() / steps
+            samples_per_s = steps * t.batch_size / s.epoch_s
+            row = {
+                "epoch": epoch,  # the epoch this row is in: its end, or ``epoch_step`` steps into it
+                **({} if ends_epoch else {"epoch_step": steps}),
+                "step": step,
+                **self.task.seen(step * t.batch_size),
+                "train_loss": round(train_loss, 5),  # the mean over this epoch's steps so far
+                **results,
+                **self.task.rates(samples_per_s, self.model),
+                "samples_per_s": round(samples_per_s, 1),
+                "epoch_s": round(s.epoch_s, 3),
+                "train_s": round(s.train_s + s.epoch_s, 3),
+                "elapsed_s": round(time.perf_counter() - self._t_start, 3),
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "world_size": self.ctx.world_size,
+            }
+            if (memory := peak_memory_gib(self.ctx.device)) is not None:  # a collective, on a GPU
+                row["peak_mem_gib"] = memory
+            self.run.log_metrics(row)  # before the checkpoint: a crash in between rewrites the row, never skips it
+        if ends_epoch:
+            s.epoch, s.step, s.train_s, s.epoch_s = epoch, 0, s.train_s + s.epoch_s, 0.0
+        if budget.checkpoints(step):
+            self.save_checkpoint()
+        if row is not None:
+            self.progress.epoch_end(row, ends_epoch=ends_epoch)
+            self.curves.add(row)
+            self.tensorboard.add(row, step=step)
+        if final:
+            self.timeline.mark("checkpoint")  # the last metrics row, shown and logged, and the final checkpoint
+
+    def evaluate(self, final: bool = False) -> dict[str, Any]:
+        """The task's metrics (test accuracy; validation loss and perplexity) of the evaluated
+        model (the EMA when there is one), with every rank's buffers averaged first. ``final``:
+        with test-time augmentation, on the training clock."""
+        t_eval = time.perf_counter()
+        self.step_fn.sync_buffers()
+        model = self.ema.module if self.ema is not None else self.model
+        # each rank's BatchNorm statistics follow its own batches: average them, so that every
+        # rank evaluates the same model and the accuracy does not depend on the world size
+        distlib.sync_buffers(model)
+        results = self.task.evaluate(model, self.autocast, final=final)
+        eval_s = time.perf_counter() - t_eval
+        self.timeline.add("eval", eval_s)
+        if final:  # airbench's clock: training from the first step through the final evaluation
+            self.state.train_s += eval_s
+            self.timeline.training_finished()
+        return results
+
+    def finish_task(self) -> None:
+        """What the task shows once training is done (a generated sample), on the main rank: in
+        the log, summary.json and TensorBoard."""
+        if not self.ctx.is_main and self.cfg.dist.shard != "full":
+            return
+        model = self.ema.module if self.ema is not None else self.model
+        extra = self.task.finish(model, self.autocast)  # sharded: every rank runs the forward passes
+        if not self.ctx.is_main:
+            return
+        if extra.get("sample"):
+            self.log.info("sample from the final model:\n%s", extra["sample"])
+            self.tensorboard.add_text("sample", extra["sample"], step=self.global_step)
+        rows = self.run.read_metrics()
+        final = {k: v for k, v in (rows[-1] if rows else {}).items() if k in self.task.metrics}
+        self.timeline.note(task=self.task.name, **{f"final_{k}": v for k, v in final.items()}, **extra)
+
+    def save_checkpoint(self) -> None:
+        """A checkpoint of the models, optimizer, schedule and ``state`` (a collective)."""
+        s = self.state
+        s.elapsed_s = time.perf_counter() - self._t_start
+        self.checkpoints.save(epoch=s.epoch, step=s.step, global_step=self.global_step)
+
+    # ---- teardown ------------------------------------------------------------------------
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Tear down whatever was built, after success or any failure (``error``). A collective
+        failed or Ctrl-C: leave the process group at once (``abort``: the peers may be gone).
+        Any other error: no final barrier (a peer that did not fail alike would never arrive)."""
+        if error is not None:
+            if isinstance(error, KeyboardInterrupt) or describe(error, rank=self.ctx.rank,
+                                                                timeout_s=self.cfg.dist.timeout_s):  # fmt: skip
+                abort()
+            else:
+                distlib.shutdown(barrier=False)
+        self.profiler.close()
+        self.progress.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.stop is not None:
+            self.stop.restore_handlers()
+        if self.step_fn is not None:
+            self.step_fn.close()
+        if self.watchdog is not None:
+            self.watchdog.close()
+        distlib.shutdown()  # the final barrier after success; nothing left to do after a failure
+        if self.finished_rows is not None:
+            self.timeline.mark("shutdown")
+            summary = self.timeline.finish()  # the last stamp the process can make; interpreter exit follows
+            if self.ctx.is_main:
+                self.timeline.write(os.path.join(self.run.path, "summary.json"))
+            self.progress.finish(self.finished_rows, summary)

@@ -1,0 +1,46 @@
+"""Warm-up before the clock: run a few real training steps so that cuDNN's
+autotuning, lazy CUDA/NCCL set-up and CUDA-graph capture happen outside the
+timed training, then put the model and optimizer back exactly as they were.
+
+Everything is restored in place (``copy_``/``zero_``), never by replacing
+tensors: a captured CUDA graph keeps reading and writing the same memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def _snapshot(modules: list[nn.Module]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    tensors = itertools.chain.from_iterable(itertools.chain(m.parameters(), m.buffers()) for m in modules)
+    return [(t, t.detach().clone()) for t in tensors]
+
+
+def warm_up(step: Callable[[], object], modules: list[nn.Module], optimizer: torch.optim.Optimizer, steps: int) -> None:
+    """Call ``step()`` ``steps`` times, then restore parameters and buffers of ``modules``
+    and reset the optimizer's state to its start.
+
+    Zeroed momentum equals a fresh SGD's first step (its buffer starts as the first
+    gradient: 0 * momentum + grad). On a GPU, ``step`` must run the same kernels as
+    training does, which is the point. Every rank must call it (``step`` communicates).
+    """
+    if steps <= 0:
+        return
+    saved = _snapshot(modules)
+    for _ in range(steps):
+        step()
+    with torch.no_grad():
+        for t, s in saved:
+            t.copy_(s)
+        inner = getattr(optimizer, "inner", None)  # a ShardedOptimizer's state is its inner optimizer's
+        states = [*optimizer.state.values(), *(inner.state.values() if inner is not None else [])]
+        for state in states:
+            for v in state.values():
+                if torch.is_tensor(v):
+                    v.zero_()
+    optimizer.zero_grad(set_to_none=False)
