@@ -1,1 +1,0 @@
-"""Checkpoints: the one-file checkpointer and sharded (DCP) checkpoints."""

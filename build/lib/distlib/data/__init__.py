@@ -1,1 +1,0 @@
-"""Data: the sharded, resumable loader."""

@@ -1,1 +1,0 @@
-"""Processes and communication: the process group, the launchers' environments, collectives."""

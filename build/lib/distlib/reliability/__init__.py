@@ -1,1 +1,0 @@
-"""Reliability: stop signals, the watchdog, failure reports."""
