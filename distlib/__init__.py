@@ -4,15 +4,17 @@ ctx = distlib.init()                       # torchrun, srun, mpirun or a PyTorch
 loader = distlib.distributed_loader(ds, batch_size=64)
 sync = distlib.GradSync(model)             # after loss.backward(): sync.wait()
 net = distlib.compile_for_sync(model, sync)  # torch.compile, the all_reduces still overlapped
+distlib.compile_blocks(distlib.find_blocks(model))  # or: each repeated block compiled, in place
 ...
 distlib.shutdown()
 
 Also here: ``Replicas`` (one process drives every GPU of its node), ``CapturedStep`` (a whole
-training step as a CUDA graph), ``EMA`` (a weight average the graph can update), ``Checkpointer``,
-``shard_model`` and ``FSDPSync`` (full sharding through FSDP2), ``ShardedCheckpointer`` and
-``export_checkpoint`` (torch.distributed.checkpoint: per-rank shards), ``StopSignal`` (SIGTERM/SIGINT
-stop every rank at one step boundary), ``Watchdog`` (ends a rank that stopped running),
-``collectives``, and the errors they raise.
+training step as a CUDA graph), ``compile_blocks`` and ``checkpoint_blocks`` (compile and activation
+checkpointing per block, the blocks from ``find_blocks``), ``EMA`` (a weight average the graph can
+update), ``Checkpointer``, ``shard_model`` and ``FSDPSync`` (full sharding through FSDP2),
+``ShardedCheckpointer`` and ``export_checkpoint`` (torch.distributed.checkpoint: per-rank shards),
+``StopSignal`` (SIGTERM/SIGINT stop every rank at one step boundary), ``Watchdog`` (ends a rank that
+stopped running), ``collectives``, and the errors they raise.
 """
 
 from distlib.checkpoint.checkpointer import Checkpointer, CheckpointError
@@ -32,12 +34,14 @@ from distlib.distributed.model_check import ModelMismatchError
 from distlib.distributed.process_group import Context, EnvError, init, shutdown
 from distlib.errors import ArgumentError, DistlibError
 from distlib.log import get_logger
+from distlib.parallel.blocks import find_blocks
 from distlib.parallel.comm_fallback import Replicas
 from distlib.parallel.grad_sync import GradSync, GradSyncError, GradSyncTimeout
 from distlib.parallel.sharded_optimizer import ShardedOptimizer, ShardingError
 from distlib.reliability.stop import StopSignal
 from distlib.reliability.watchdog import Watchdog
-from distlib.step.compile import compile_for_sync
+from distlib.step.activation_checkpointing import checkpoint_blocks
+from distlib.step.compile import compile_blocks, compile_for_sync
 from distlib.step.cuda_graph import CapturedStep, CaptureUnsupported
 from distlib.step.ema import EMA
 
@@ -85,10 +89,13 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object",
+    "checkpoint_blocks",
     "collectives",
+    "compile_blocks",
     "compile_for_sync",
     "distributed_loader",
     "export_checkpoint",
+    "find_blocks",
     "get_logger",
     "init",
     "reduce",

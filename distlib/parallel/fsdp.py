@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from distlib.distributed import collectives
 from distlib.distributed.state_broadcast import broadcast_module
 from distlib.log import get_logger
+from distlib.parallel.blocks import find_blocks
 from distlib.parallel.sharded_optimizer import ShardingError
 
 __all__ = ["FSDPSync", "ShardingError", "is_fully_sharded", "shard_model"]
@@ -69,16 +70,14 @@ def _ensure_group(device: torch.device) -> None:
 
 
 def _blocks_of(
-    model: nn.Module, blocks: Sequence[nn.Module] | None, block_types: Iterable[type] | None
+    model: nn.Module, blocks: Sequence[nn.Module] | None, block_types: Iterable[type | str] | None
 ) -> list[nn.Module]:
     if blocks is not None and block_types is not None:
         raise ShardingError("shard_model: give blocks= or block_types=, not both")
-    if block_types is not None:
-        types = tuple(block_types)
-        return [m for m in model.modules() if m is not model and isinstance(m, types)]
+    if block_types is not None:  # classes or class names; the outermost matches
+        return find_blocks(model, tuple(block_types))
     if blocks is None:
-        found = getattr(model, "blocks", None)  # GPT and most transformer layouts
-        return list(found) if isinstance(found, (nn.ModuleList, nn.Sequential)) else []
+        return find_blocks(model)  # model.blocks: GPT and most transformer layouts
     owned = {id(m) for m in model.modules()}
     for b in blocks:
         if id(b) not in owned or b is model:
@@ -170,7 +169,7 @@ def shard_model(
     build: Callable[[], nn.Module] | nn.Module,
     *,
     blocks: Sequence[nn.Module] | None = None,
-    block_types: Iterable[type] | None = None,
+    block_types: Iterable[type | str] | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
@@ -195,10 +194,11 @@ def shard_model(
     buffer still NaN after that raises ShardingError naming it.
     ``seed``: None, the caller's random stream; an int, ``torch.manual_seed(seed)`` first.
 
-    ``blocks`` (modules of the model) or ``block_types`` (classes) name the units sharded one by
-    one, whose parameters are all-gathered just before they run; by default the entries of
-    ``model.blocks`` when there is one. ``param_dtype`` / ``reduce_dtype``: FSDP2's mixed precision
-    (compute and gradient reduce-scatter dtypes; the sharded master weights keep their dtype).
+    ``blocks`` (modules of the model) or ``block_types`` (classes or class names) name the units
+    sharded one by one, whose parameters are all-gathered just before they run; by default the
+    entries of ``model.blocks`` when there is one (``distlib.find_blocks``). ``param_dtype`` /
+    ``reduce_dtype``: FSDP2's mixed precision (compute and gradient reduce-scatter dtypes; the
+    sharded master weights keep their dtype).
     ``reshard_after_forward``: free each block's gathered parameters after its forward (ZeRO-3; the
     last block keeps them, as backward starts with it), or keep them until backward. ``device``:
     default this rank's GPU, else the CPU. Tied parameters stay tied (FSDP2 keeps one shard for them).

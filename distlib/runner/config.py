@@ -49,6 +49,7 @@ class ModelConfig:
     width: int = 64  # base channel count of small_cnn (given to any model that takes `width`)
     num_classes: int = 10  # must match the data set (given to any model that takes `num_classes`)
     channels_last: bool = True  # NHWC memory format: faster convolutions on GPUs
+    block_class: str = ""  # the repeated block's class name (compile, checkpointing, shard=full); "" = model.blocks
 
 
 @dataclass
@@ -83,7 +84,9 @@ class TrainConfig:
     tta_translate: int = 0  # with tta: also views shifted by this many pixels (airbench uses 2)
     seed: int = 0  # seeds model init, data order and augmentation
     cuda_graph: bool = False  # capture the whole training step as one CUDA graph
-    compile: bool = False  # torch.compile the model (buckets still overlapped; inside the graph with cuda_graph)
+    compile: Literal["none", "auto", "blocks", "model"] = "none"  # torch.compile per block or whole; true: auto
+    compile_backend: str = "inductor"  # torch.compile's backend (aot_eager: no code generation, for checks)
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"  # recompute in backward; true: full
     prewarm_steps: int = 5  # on a GPU: steps run, then undone, before the clock (autotuning, graph capture)
     cudnn_benchmark: bool = True  # on a GPU: cuDNN tries its algorithms for each convolution (in the warm-up)
     task: Literal["auto", "classification", "causal_lm"] = "auto"  # auto: causal_lm for text/token data or gpt
@@ -120,6 +123,7 @@ class RunConfig:
     resume: bool = True  # continue from the newest checkpoint in out_dir
     progress: Literal["auto", "rich", "plain"] = "auto"  # auto: a live bar on a terminal, plain lines otherwise
     tensorboard: bool = False  # also write TensorBoard event files to out_dir (needs 'distlib[tensorboard]')
+    compile_cache_dir: str = ""  # torch.compile's caches; "" = $TORCHINDUCTOR_CACHE_DIR or ~/.cache/distlib/compile
 
 
 @dataclass
@@ -213,6 +217,13 @@ def _coerce(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
     return None
 
 
+# settings whose YAML booleans (true/false, yes/no, on/off) stand for one of their choices
+_BOOL_CHOICES = {
+    "train.compile": {True: "auto", False: "none"},
+    "train.activation_checkpointing": {True: "full", False: "none"},
+}
+
+
 def _apply(obj: Any, data: Any, prefix: str, problems: list[str]) -> None:
     """Write the mapping ``data`` into the dataclass ``obj``, recording every problem."""
     if isinstance(data, _OverrideValue):
@@ -233,6 +244,10 @@ def _apply(obj: Any, data: Any, prefix: str, problems: list[str]) -> None:
         if dataclasses.is_dataclass(tp):
             _apply(getattr(obj, key), value, path, problems)
             continue
+        if path in _BOOL_CHOICES:
+            plain = value.parsed if isinstance(value, _OverrideValue) else value
+            if isinstance(plain, bool):
+                value = _BOOL_CHOICES[path][plain]
         if isinstance(value, _OverrideValue):
             value = value.for_type(tp)
         coerced = _coerce(value, tp, path, problems)
@@ -328,10 +343,16 @@ def _validate(cfg: Config, problems: list[str]) -> None:
                         "pip install 'distlib[tensorboard]', or set run.tensorboard=false")  # fmt: skip
     _check_components(cfg, problems)
     _check_sharding(cfg, problems)
-    if cfg.train.compile and cfg.dist.mode == "fallback":
+    if cfg.train.compile != "none" and cfg.dist.mode == "fallback":
         problems.append(
-            "train.compile=true with dist.mode=fallback: the fallback mode's replicas are not compiled; "
-            "use dist.mode=process_per_gpu or train.compile=false"
+            f"train.compile={cfg.train.compile} with dist.mode=fallback: the fallback mode's replicas are not "
+            "compiled; use dist.mode=process_per_gpu or train.compile=none"
+        )
+    if cfg.train.activation_checkpointing != "none" and cfg.dist.mode == "fallback":
+        problems.append(
+            f"train.activation_checkpointing={cfg.train.activation_checkpointing} with dist.mode=fallback: the "
+            "fallback mode's replicas are not checkpointed; use dist.mode=process_per_gpu or "
+            "train.activation_checkpointing=none"
         )
 
 
@@ -353,9 +374,9 @@ def _check_sharding(cfg: Config, problems: list[str]) -> None:
         problems.append("train.cuda_graph=true with dist.shard=full: FSDP2 has no CUDA-graph support "
                         "(pytorch/pytorch#164264); set train.cuda_graph=false, or use dist.shard=optimizer, "
                         "whose whole step can be one CUDA graph")  # fmt: skip
-    if t.compile:
-        problems.append("train.compile=true with dist.shard=full: the runner compiles replicated models only; "
-                        "set train.compile=false, or use dist.shard=optimizer")  # fmt: skip
+    if t.compile == "model":
+        problems.append("train.compile=model with dist.shard=full: a fully sharded model is compiled per block; "
+                        "set train.compile=blocks (or true)")  # fmt: skip
     if t.ema > 0:
         problems.append("train.ema > 0 with dist.shard=full: the weight average is a whole copy of the model on "
                         "every rank; set train.ema=0, or use dist.shard=optimizer")  # fmt: skip

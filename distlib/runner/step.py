@@ -7,8 +7,9 @@ The trainer sees only ``TrainStep``; ``build_step`` alone picks the implementati
   ``dist.shard=optimizer`` its reduce-scatter and the ShardedOptimizer; with ``full`` FSDPSync
   over the model from ``shard_model``, FSDP2's mixed precision in place of autocast), run
   eagerly (``grad_accum`` micro-steps, communication on the last only) or replayed as one
-  CUDA graph (``train.cuda_graph``, distlib/step/cuda_graph.py); the model compiled by
-  ``distlib.compile_for_sync`` with ``train.compile`` (its kernels then inside the graph);
+  CUDA graph (``train.cuda_graph``, distlib/step/cuda_graph.py); with ``train.compile`` each block
+  compiled, or the whole model by ``distlib.compile_for_sync`` (runner/compilation.py; the kernels
+  then inside the graph), with ``train.activation_checkpointing`` each block checkpointed;
 - ``fallback``: ``ReplicasStep``, one process drives every GPU of its node (distlib.Replicas,
   distlib/parallel/comm_fallback.py).
 
@@ -32,6 +33,7 @@ from torch import nn
 import distlib
 from distlib.distributed.process_group import Context, EnvError
 from distlib.parallel.comm_fallback import Replicas, node_devices
+from distlib.runner.compilation import apply_block_settings
 from distlib.runner.config import Config, ConfigError
 from distlib.runner.losses import cross_entropy
 from distlib.runner.optimizer_step import OptimizerSpec, OptimizerStep, autocast_dtype
@@ -193,6 +195,7 @@ def build_step(
         return ReplicasStep(replicas, opt, loss_fn, update=update, autocast_dtype=dtype, grad_accum=t.grad_accum,
                             post_step=post_step)  # fmt: skip
 
+    whole = apply_block_settings(cfg, model)  # checkpointing and per-block compile, in place
     if shard == "full":
         sync = distlib.FSDPSync(model)
         # FSDP2's mixed precision (shard_model's param_dtype) replaces autocast: the weights are
@@ -206,8 +209,9 @@ def build_step(
         sync = distlib.GradSync(model, bucket_mb=cfg.dist.bucket_mb, compress=cfg.dist.compress,
                                 comm_groups=cfg.dist.comm_groups, shard=shard, broadcast_buffers=False)  # fmt: skip
         autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None)
-        # compiled at the first step (the warm-up, on a GPU), one graph per bucket so the all_reduces overlap
-        net = distlib.compile_for_sync(model, sync) if t.compile else model
+        # train.compile=model: compiled at the first step (the warm-up, on a GPU), one graph per bucket so
+        # the all_reduces overlap
+        net = distlib.compile_for_sync(model, sync, backend=t.compile_backend) if whole else model
     if shard == "optimizer":
         spec = spec or OptimizerSpec.of(optimizer)
         opt = sync.sharded_optimizer(spec.cls, spec.groups, **spec.kwargs)

@@ -58,6 +58,7 @@ _RESUME_FREE = {
     "train.eval_every", "train.tta", "train.tta_translate", "train.cuda_graph", "train.prewarm_steps",
     "train.cudnn_benchmark", "train.compile", "train.peak_tflops", "train.sample_tokens",
     "train.epochs", "train.max_steps", "train.eval_every_steps",
+    "train.activation_checkpointing", "train.compile_backend", "model.block_class",
 }  # fmt: skip
 
 
@@ -191,8 +192,9 @@ class Trainer:
 
         if cfg.dist.shard == "full":
             dtype = autocast_dtype(cfg.train.precision, device)  # bf16 on a GPU, None (fp32) on the CPU
+            block_types = [cfg.model.block_class] if cfg.model.block_class else None  # else model.blocks
             return distlib.shard_model(build, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
-                                       device=device)  # fmt: skip
+                                       device=device, block_types=block_types)  # fmt: skip
         with torch.device(device):  # where it runs: no copy on the host first
             model = build().to(device)  # .to: a no-op, unless the model put a tensor on a device of its own
         if cfg.model.channels_last:  # changes 4-D (convolution) weights only

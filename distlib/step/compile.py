@@ -1,4 +1,5 @@
-"""torch.compile for a model whose gradients GradSync averages, keeping the all_reduces overlapped.
+"""torch.compile for a model whose gradients GradSync averages, keeping the all_reduces overlapped:
+per block (``compile_blocks``), or the whole model cut at the bucket ends (``compile_for_sync``).
 
 AOTAutograd runs a compiled graph's whole backward as one autograd node, so the post-accumulate-grad
 hooks (and with them every bucket's all_reduce) fire only once the whole backward is done.
@@ -6,12 +7,14 @@ hooks (and with them every bucket's all_reduce) fire only once the whole backwar
 compiles each piece on its own, as torch's DDPOptimizer does for DDP's buckets (it is reused here,
 with the split points taken from GradSync's layout): each piece's backward is its own autograd node,
 so a bucket's all_reduce starts as soon as the piece holding its last gradient has run.
+Compiling each block of a model made of repeated blocks gets the same overlap without any cut
+(each block's backward is its own autograd node) and compiles one graph that every block reuses.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -118,7 +121,9 @@ def compile_for_sync(
         # torch.compile(model) imports inductor's compile_fx here, when it is called; behind a backend
         # function the import (seconds: inductor, its autotuning, triton) would land in the first step
         importlib.import_module("torch._inductor.compile_fx")
-    if not sync.buckets:  # nothing to overlap
+    if not sync.buckets or sync.world_size == 1:  # nothing to overlap
+        # (shard="optimizer" keeps its buckets at world size 1: cutting there would only compile one
+        # graph per bucket, hundreds for a billion-parameter model, for no communication at all)
         return torch.compile(model, backend=backend, mode=mode, options=options, dynamic=dynamic, fullgraph=fullgraph)
     # GradSync re-lays its buckets once, after the first step, in the order the gradients arrived;
     # compiled, they arrive a piece at a time in an order of autograd's choosing, which would move
@@ -126,3 +131,36 @@ def compile_for_sync(
     sync._rebuilt = True
     sync._arrival = None
     return torch.compile(model, backend=_split_backend(sync, compile_fn), dynamic=dynamic, fullgraph=fullgraph)
+
+
+def compile_blocks(
+    blocks: Iterable[nn.Module],
+    *,
+    backend: str | Callable = "inductor",
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+    dynamic: bool | None = None,
+    fullgraph: bool = False,
+) -> int:
+    """``block.compile(...)`` on each block (``distlib.find_blocks(model)``): in place, so the model,
+    its parameter names and its state_dict stay as they are. Returns the number of blocks compiled.
+
+    Blocks of one class and shape share one compiled graph: dynamo traces the first and every other
+    reuses it (its parameters are inputs of the graph, not constants), so the warm-up costs one
+    block's compilation, whatever the depth. Each block's backward is its own autograd node, so
+    GradSync's buckets launch as the blocks' gradients complete (no cut needed, unlike
+    ``compile_for_sync``); with FSDP2 the blocks' all-gather and reduce-scatter hooks run between
+    the compiled graphs. Compiles at the first forward; ``backend``, ``mode``, ``options``,
+    ``dynamic`` and ``fullgraph`` mean what they mean for ``torch.compile``. A block compiled twice
+    is compiled once.
+    """
+    n = 0
+    for block in blocks:
+        if not isinstance(block, nn.Module):
+            raise TypeError(f"compile_blocks needs nn.Modules, got {type(block).__name__}")
+        if getattr(block, "_compiled_call_impl", None) is None:
+            block.compile(backend=backend, mode=mode, options=options, dynamic=dynamic, fullgraph=fullgraph)
+        n += 1
+    if n and backend == "inductor":
+        importlib.import_module("torch._inductor.compile_fx")  # as torch.compile does, before the first step
+    return n
