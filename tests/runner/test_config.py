@@ -64,7 +64,7 @@ def test_unknown_key_gives_dotted_path_and_valid_keys(tmp_path):
     sections = "data, model, loss, train, dist, run, profile"
     assert p == f"trian: unknown key (valid keys here: {sections}); did you mean 'train'?"
     (p,) = problems(None, ["model.zzz=1"])  # nothing close: no guess
-    assert p == "model.zzz: unknown key (valid keys here: name, args, width, num_classes, channels_last)"
+    assert p == "model.zzz: unknown key (valid keys here: name, args, width, num_classes, channels_last, block_class)"
 
 
 def test_misspelt_keys_get_a_guess_and_every_problem_at_once():
@@ -106,9 +106,9 @@ def test_values_out_of_range(tmp_path):
 
 
 def test_compile_is_refused_with_the_fallback_mode():
-    assert load_config(None, ["train.compile=true"]).train.compile is True
+    assert load_config(None, ["train.compile=true"]).train.compile == "auto"
     found = problems(None, ["train.compile=true", "dist.mode=fallback"])
-    assert len(found) == 1 and "train.compile=true with dist.mode=fallback" in found[0], found
+    assert len(found) == 1 and "train.compile=auto with dist.mode=fallback" in found[0], found
 
 
 def test_precision_fp16_refuses_a_captured_cuda_graph(tmp_path):

@@ -42,7 +42,7 @@ STEPS = 16
         (["dist.shard=full", "dist.mode=fallback"], ["dist.shard=full", "dist.mode=process_per_gpu"]),
         (["dist.shard=optimizer", "train.precision=fp16"], ["train.precision=fp16", "train.precision=bf16"]),
         (["dist.shard=full", "train.cuda_graph=true"], ["no CUDA-graph support", "train.cuda_graph=false"]),
-        (["dist.shard=full", "train.compile=true"], ["dist.shard=full", "train.compile=false"]),
+        (["dist.shard=full", "train.compile=model"], ["dist.shard=full", "train.compile=blocks"]),
         (["dist.shard=full", "train.ema=0.9"], ["train.ema", "train.ema=0"]),
         (["dist.shard=full", "dist.compress=bf16"], ["dist.compress=bf16", "dist.compress=none"]),
         (["dist.shard=zero3"], ["dist.shard", "'optimizer'"]),
