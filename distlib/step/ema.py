@@ -25,11 +25,6 @@ class EMA(nn.Module):
         super().__init__()
         _check_decay(decay)
         self.module = copy.deepcopy(model)
-        for m in self.module.modules():
-            # a block compiled in place (Module.compile, compile_blocks) keeps its compiled call in
-            # an attribute that deepcopy shares: the copy would run the model's own weights
-            if getattr(m, "_compiled_call_impl", None) is not None:
-                m._compiled_call_impl = None
         self.module.requires_grad_(False)
         ema_t = [*self.module.parameters(), *self.module.buffers()]
         model_t = [*model.parameters(), *model.buffers()]
