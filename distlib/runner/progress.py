@@ -78,6 +78,20 @@ def _headline(row: dict[str, Any]) -> tuple[str, str]:
     return label, "-" if row.get(key) is None else f"{row[key]:.4f}"
 
 
+def run_rates(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The rates of metrics.jsonl rows over the whole run: what was trained on divided by the time
+    spent training (``epoch_s``), for each rate the rows have (``samples_per_s``, ``images_per_s``,
+    ``tokens_per_s``). A row inside an epoch counts from the epoch's start, as the epoch's next row
+    does: each epoch's last row covers it."""
+    ends = list({r["epoch"]: r for r in rows}.values())
+    out = {}
+    for key in ("samples_per_s", "images_per_s", "tokens_per_s"):
+        timed = [r for r in ends if r.get("epoch_s") and r.get(key)]
+        if timed:
+            out[key] = round(sum(r[key] * r["epoch_s"] for r in timed) / sum(r["epoch_s"] for r in timed), 1)
+    return out
+
+
 def summarize(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
     """(label, value) pairs of the end-of-run summary from metrics.jsonl rows."""
     if not rows:
@@ -105,17 +119,10 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
         out.append(("training time", format_duration(last["train_s"])))
     if "elapsed_s" in last:
         out.append(("time with evaluation", format_duration(last["elapsed_s"])))
-    # images/s over the whole run: images seen divided by the time spent training. A row inside an epoch
-    # counts from the epoch's start, as the epoch's next row does: each epoch's last row covers it
-    ends = list({r["epoch"]: r for r in rows}.values())
-    timed = [r for r in ends if r.get("epoch_s") and r.get("images_per_s")]
-    if timed:
-        images = sum(r["images_per_s"] * r["epoch_s"] for r in timed)
-        out.append(("images/s", f"{images / sum(r['epoch_s'] for r in timed):,.0f}"))
-    timed = [r for r in ends if r.get("epoch_s") and r.get("tokens_per_s")]
-    if timed:
-        tokens = sum(r["tokens_per_s"] * r["epoch_s"] for r in timed)
-        out.append(("tokens/s", f"{tokens / sum(r['epoch_s'] for r in timed):,.0f}"))
+    rates = run_rates(rows)  # over the whole run
+    for key, label in (("images_per_s", "images/s"), ("tokens_per_s", "tokens/s")):
+        if key in rates:
+            out.append((label, f"{rates[key]:,.0f}"))
     if last.get("mfu") is not None:
         out.append(("MFU (last epoch)", f"{100 * last['mfu']:.1f}%"))
     if last.get("peak_mem_gib"):

@@ -78,6 +78,10 @@ class Task:
         """What a metrics row says has been trained on, from the samples of every step so far."""
         return {}
 
+    def model_figures(self, model: nn.Module) -> dict[str, Any]:
+        """What summary.json says of the model's cost (a language model: its training FLOPs per token)."""
+        return {}
+
     def finish(self, model: nn.Module, autocast: contextlib.AbstractContextManager) -> dict[str, Any]:
         """Once training is done, on the main rank: what summary.json adds (and the log shows)."""
         return {}
@@ -270,6 +274,9 @@ class CausalLMTask(Task):
 
     def seen(self, samples: int) -> dict[str, Any]:
         return {"tokens": samples * self.block_size}
+
+    def model_figures(self, model: nn.Module) -> dict[str, Any]:
+        return {"flops_per_token": flops_per_token(model, self.block_size)}
 
     def rates(self, samples_per_s: float, model: nn.Module) -> dict[str, Any]:
         tokens_per_s = samples_per_s * self.block_size

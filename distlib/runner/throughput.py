@@ -64,9 +64,15 @@ def mfu(tokens_per_s: float, flops_per_token: float, gpus: int, peak: float | No
     return tokens_per_s * flops_per_token / (gpus * peak * 1e12)
 
 
+def allocated_peak(device: torch.device) -> int | None:
+    """This process's peak allocated memory on ``device`` (bytes) since its start; None on a CPU."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
 def peak_memory_gib(device: torch.device) -> list[float] | None:
-    """Every rank's peak allocated GPU memory (GiB) since the start, in rank order; None on a CPU.
-    A collective (an all_gather): every rank must call it."""
-    if device.type != "cuda":
+    """Every rank's peak allocated GPU memory (GiB, ``allocated_peak``) since the start, in rank
+    order; None on a CPU. A collective (an all_gather) on a GPU: every rank must call it."""
+    peak = allocated_peak(device)
+    if peak is None:  # the same on every rank: no rank gathers
         return None
-    return [round(v, 3) for v in distlib.all_gather_object(torch.cuda.max_memory_allocated(device) / 2**30)]
+    return [round(v, 3) for v in distlib.all_gather_object(peak / 2**30)]

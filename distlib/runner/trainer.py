@@ -43,7 +43,7 @@ from distlib.runner.models import count_params, param_groups
 from distlib.runner.optimizer_step import OptimizerSpec, autocast_dtype
 from distlib.runner.plots import CurvePlot
 from distlib.runner.profiling import StepProfiler
-from distlib.runner.progress import TrainingProgress
+from distlib.runner.progress import TrainingProgress, run_rates
 from distlib.runner.run_dir import RunDir
 from distlib.runner.schedule import WarmupLinear, ema_decay, retarget, warmup_linear
 from distlib.runner.step import TrainStep, build_step
@@ -420,8 +420,12 @@ class Trainer:
             self.log.info("sample from the final model:\n%s", extra["sample"])
             self.tensorboard.add_text("sample", extra["sample"], step=self.global_step)
         rows = self.run.read_metrics()
-        final = {k: v for k, v in (rows[-1] if rows else {}).items() if k in self.task.metrics}
-        self.timeline.note(task=self.task.name, **{f"final_{k}": v for k, v in final.items()}, **extra)
+        last = rows[-1] if rows else {}
+        final = {k: v for k, v in last.items() if k in self.task.metrics}
+        # the figures the summary on screen shows: the rates over the run, the last row's MFU and memory
+        figures = {**run_rates(rows), **{k: last[k] for k in ("mfu", "peak_mem_gib") if last.get(k) is not None},
+                   **self.task.model_figures(model)}  # fmt: skip
+        self.timeline.note(task=self.task.name, **{f"final_{k}": v for k, v in final.items()}, **figures, **extra)
 
     def save_checkpoint(self) -> None:
         """A checkpoint of the models, optimizer, schedule and ``state`` (a collective)."""
