@@ -9,6 +9,7 @@ final name is a committed checkpoint. docs/reliability.md.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -17,8 +18,9 @@ import shutil
 import sys
 import threading
 import warnings
+import zipfile
+import zlib
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -41,7 +43,7 @@ from distlib.distributed import collectives, process_group
 from distlib.log import get_logger
 
 FORMAT = "distlib-sharded-checkpoint"
-VERSION = 1
+VERSION = 2  # 1: every file's sha256 in commit.json (read still); 2: sizes, the records' CRC-32s checked on load
 MARKER = "commit.json"
 _NAME = re.compile(r"^step(\d{9})$")
 # the checkpointers with an asynchronous save in flight: kept alive until it is committed (shutdown()
@@ -76,14 +78,36 @@ def _sha256(path: str) -> str:
 
 
 def _own_files(directory: str, rank: int) -> dict[str, dict[str, Any]]:
-    """Size and sha256 of the shard files this rank wrote (DCP names them ``__<rank>_<i>.distcp``);
-    rank 0 also takes DCP's ``.metadata``."""
+    """The size of every shard file this rank wrote (DCP names them ``__<rank>_<i>.distcp``); rank 0
+    also takes DCP's ``.metadata``. No hash: reading the files back would be a second pass over the
+    data; each record's CRC-32, computed by torch.save as it writes, is checked on load instead."""
     out = {}
     for name in sorted(os.listdir(directory)):
         if name.startswith(f"__{rank}_") or (rank == 0 and name == ".metadata"):
-            path = os.path.join(directory, name)
-            out[name] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+            out[name] = {"bytes": os.path.getsize(os.path.join(directory, name))}
     return out
+
+
+def _crc32_on() -> bool:
+    """Whether torch.save writes each record's CRC-32 (``torch.serialization.set_crc32_options``; on by default)."""
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    return bool(get()) if get is not None else True
+
+
+def _records_intact(path: str, items: list[tuple[int, int]]) -> bool:
+    """Every record of a DCP shard file (``items``: offset and length of each) matches the CRC-32s its
+    zip holds. DCP writes each tensor and each other value with torch.save, whose zip writer computes
+    the CRC-32 of every record as it writes (torch.load does not check them)."""
+    with open(path, "rb") as f:
+        for offset, length in items:
+            f.seek(offset)
+            try:
+                with zipfile.ZipFile(io.BytesIO(f.read(length))) as z:
+                    if z.testzip() is not None:
+                        return False
+            except (zipfile.BadZipFile, OSError, EOFError, zlib.error):
+                return False
+    return True
 
 
 def model_fingerprint(objects: Mapping[str, Any]) -> dict[str, str]:
@@ -107,6 +131,36 @@ def _layout(state: Any, prefix: str = "") -> list[Any]:
         local = state.to_local() if hasattr(state, "to_local") else state
         return [(prefix, tuple(local.shape), local.dtype, local.device)]
     return []
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor of this rank's data: a DTensor's local tensor, a ShardedTensor's one local shard."""
+    if hasattr(t, "to_local"):
+        return t.to_local()
+    if hasattr(t, "local_shards"):
+        shards = t.local_shards()
+        return shards[0].tensor if shards else torch.empty(0)
+    return t
+
+
+def _stage_into(state: Any, host: Any, buffers: set[int], stream: Any) -> Any:
+    """``state`` with every tensor copied into its counterpart of ``host`` (the same structure), and
+    the other values as they are now. On a GPU the copies are asynchronous: on ``stream``, except
+    those of module buffers (``buffers``: their data pointers; a state_dict holds detached tensors), on
+    the current stream, ordered before the next forward."""
+    if isinstance(state, Mapping):
+        return {k: _stage_into(v, host[k], buffers, stream) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_stage_into(v, h, buffers, stream) for v, h in zip(state, host))
+    if not isinstance(state, torch.Tensor):
+        return state
+    source, target = _local(state), _local(host)
+    if stream is None or not source.is_cuda or source.data_ptr() in buffers:
+        target.copy_(source, non_blocking=source.is_cuda)
+    else:
+        with torch.cuda.stream(stream):
+            target.copy_(source, non_blocking=True)
+    return host
 
 
 def _owner(opt: Any, objects: Mapping[str, Any]) -> nn.Module | None:
@@ -259,7 +313,10 @@ class ShardedCheckpointer:
         self.settings = dict(settings or {})
         self.verify = verify
         self._group: dist.ProcessGroup | None = None
-        self._writer: tuple[dcp.FileSystemWriter, list[Any]] | None = None  # the async writer, for this layout
+        self._staging: tuple[dict[str, Any], list[Any]] | None = None  # the host copy of the state, for this layout
+        self._stream: Any = None  # the CUDA stream that stages
+        self._staged_event: Any = None  # recorded on it after the copies of the save in flight
+        self._hooked: set[int] = set()  # the optimizers whose step waits for staging
         self._pending: tuple[int, str, dict[str, Any], threading.Thread | None, dict[str, Any]] | None = None
         # distlib.shutdown() (and the exit hook) commit a save still in flight, and drop this object's group
         process_group.on_shutdown(self._at_shutdown)
@@ -335,28 +392,24 @@ class ShardedCheckpointer:
             "world_size": collectives.world_size(),
             "objects": sorted(objects),
             "fingerprint": {"tensors": model_fingerprint(objects), "settings": self.settings},
+            "record_crc32": _crc32_on(),
         }
         state = _state_dicts(objects)
         files: dict[str, Any] = {}
         if async_:
-            if self._writer is None or self._writer[1] != _layout(state):
-                # reused: on a GPU machine it keeps its pinned host copy of the state between saves (staging then
-                # copies, never allocates); pinning needs CUDA, so on the CPU each save stages into new memory
-                cache = torch.cuda.is_available()
-                self._writer = (dcp.FileSystemWriter(partial, cache_staged_state_dict=cache), _layout(state))
-            result = dcp.async_save(
-                state, checkpoint_id=partial, storage_writer=self._writer[0], process_group=self._pg()
-            )
-            future: Future = getattr(result, "upload_completion", result)  # newer torch: AsyncSaveResponse
+            staged = self._stage(state, objects)
 
-            def finish() -> None:  # the write, then this rank's hashes, off the training thread
+            def write() -> None:  # off the training thread: the write, DCP's finish step, the files' sizes
                 try:
-                    future.result()
+                    if self._staged_event is not None:
+                        self._staged_event.synchronize()
+                    dcp.save(staged, storage_writer=dcp.FileSystemWriter(partial), process_group=self._pg())
                     files.update(_own_files(partial, rank))
                 except BaseException as e:  # reported by wait() on every rank
                     files["error"] = f"{type(e).__name__}: {e}"
 
-            thread = threading.Thread(target=finish, name="distlib-checkpoint", daemon=True)
+            self._pg()  # a collective when it creates the group: here, on every rank, not in the thread
+            thread = threading.Thread(target=write, name="distlib-checkpoint", daemon=True)
             thread.start()
             self._pending = (step, partial, marker, thread, files)
             _IN_FLIGHT.add(self)
@@ -368,6 +421,51 @@ class ShardedCheckpointer:
             files["error"] = f"{type(e).__name__}: {e}"
         self._pending = (step, partial, marker, None, files)
         self.wait()
+
+    def _stage(self, state: dict[str, Any], objects: Mapping[str, Any]) -> dict[str, Any]:
+        """A host copy of ``state`` for the background write: pinned memory on a GPU machine, kept and
+        reused while the layout stays the same (staging then copies, never allocates).
+
+        On a GPU the copies run on a stream of their own and this returns at once: the next
+        ``optimizer.step()`` of an optimizer among ``objects`` (through a step pre-hook), and the write,
+        wait for them; the forward and backward in between run meanwhile (they change no saved tensor
+        but buffers, and buffers are copied on the current stream, before the next forward). On the
+        CPU the copy is made here, into plain host memory.
+        """
+        from torch.distributed._state_dict_utils import _create_cpu_state_dict
+
+        layout = _layout(state)
+        if self._staging is None or self._staging[1] != layout:
+            self._staging = (_create_cpu_state_dict(state, pin_memory=torch.cuda.is_available()), layout)
+        host = self._staging[0]
+        if not any(device.type == "cuda" for *_, device in layout):
+            self._staged_event = None
+            return _stage_into(state, host, set(), None)
+        buffers = {b.data_ptr() for o in objects.values() if isinstance(o, nn.Module) for b in o.buffers()}
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())  # the state as of this step
+        staged = _stage_into(state, host, buffers, self._stream)
+        self._stream.wait_stream(torch.cuda.current_stream())  # the buffers' copies too, nothing later
+        self._staged_event = torch.cuda.Event()
+        self._staged_event.record(self._stream)
+        for opt in (o for o in objects.values() if isinstance(o, torch.optim.Optimizer)):
+            if id(opt) not in self._hooked:
+                self._hooked.add(id(opt))
+                opt.register_step_pre_hook(self._before_step)
+        return staged
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """An optimizer's step changes the state being staged: its kernels wait for the staging copies
+        (on the GPU, no wait on the host)."""
+        if self._staged_event is not None:
+            torch.cuda.current_stream().wait_event(self._staged_event)
+
+    def wait_staged(self) -> None:
+        """Block until the state of the save in flight is staged (on the host): for a step that changes
+        the saved tensors other than through an optimizer's ``step()`` (a captured CUDA graph)."""
+        if self._staged_event is not None:
+            self._staged_event.synchronize()
 
     def wait(self) -> None:
         """Wait for the save in flight (if any) on every rank, then commit it: rank 0 writes ``commit.json``
@@ -432,7 +530,7 @@ class ShardedCheckpointer:
                     "needs every rank; the previous checkpoint stays the one a resume loads", step, partial,
                 )  # fmt: skip
         finally:
-            self._group, self._writer = None, None
+            self._group, self._staging = None, None
 
     # ---- load -----------------------------------------------------------------------------
 
@@ -443,24 +541,34 @@ class ShardedCheckpointer:
                 marker = json.load(f)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{marker_path}: unreadable ({type(e).__name__}: {e}); delete {path}") from e
-        if marker.get("format") != FORMAT or marker.get("version") != VERSION:
-            raise CheckpointError(f"{marker_path}: not a distlib sharded checkpoint of version {VERSION}")
+        if marker.get("format") != FORMAT or marker.get("version") not in (1, VERSION):
+            raise CheckpointError(f"{marker_path}: not a distlib sharded checkpoint of version 1 or {VERSION}")
         return marker
 
     def _check_files(self, path: str, marker: Mapping[str, Any]) -> str | None:
-        """This rank's share of the files (every world_size-th): present, of the size and sha256 written."""
+        """Every file present, of the size written; with ``verify``, this rank's share of the files (every
+        world_size-th) intact: the CRC-32 of every record (or the sha256 of a version 1 checkpoint)."""
         rank, world = collectives.rank(), collectives.world_size()
+        records: dict[str, list[tuple[int, int]]] | None = None
         for i, (name, want) in enumerate(sorted(marker["files"].items())):
-            if i % world != rank and not (name == ".metadata"):
-                continue
             file = os.path.join(path, name)
             if not os.path.isfile(file):
                 return f"{file} is missing"
             size = os.path.getsize(file)
             if size != want["bytes"]:
                 return f"{file} has {size} bytes, {want['bytes']} were written (truncated or overwritten)"
-            if self.verify and (i % world == rank) and _sha256(file) != want["sha256"]:
-                return f"{file}: sha256 mismatch (the file is corrupted)"
+            if not self.verify or i % world != rank:
+                continue
+            if "sha256" in want:
+                if _sha256(file) != want["sha256"]:
+                    return f"{file}: checksum mismatch (the file is corrupted)"
+            elif name != ".metadata" and marker.get("record_crc32", True):  # .metadata: unpickled whole by the load
+                if records is None:
+                    records = {}
+                    for info in dcp.FileSystemReader(path).read_metadata().storage_data.values():
+                        records.setdefault(info.relative_path, []).append((info.offset, info.length))
+                if not _records_intact(file, records.get(name, [])):
+                    return f"{file}: checksum mismatch (the file is corrupted)"
         return None
 
     def resume(self, objects: Mapping[str, Any]) -> int | None:

@@ -333,6 +333,7 @@ def saved_once(tmp_path) -> str:
     model, opt, sched = build("replicated", seed=0)
     train_step("replicated", model, opt, sched, 1)
     ShardedCheckpointer(str(tmp_path)).save(1, objects(model, opt, sched, {"step": 1}))
+    torch.save(model.inp.weight.detach().clone(), tmp_path / "weight.pt")
     return str(tmp_path / "step000000001")
 
 
@@ -345,19 +346,29 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_difference(tmp_path
         ShardedCheckpointer(str(tmp_path), settings={"lr": 0.1}).resume(objects(*build("replicated", 0), {}))
 
 
-@pytest.mark.parametrize("damage", ["missing", "truncated", "flipped"])
+@pytest.mark.parametrize("damage", ["missing", "truncated", "flipped", "value"])
 def test_a_missing_or_corrupt_shard_is_named(tmp_path, damage):
+    """``value``: one bit of a weight flipped, every zip and pickle structure intact: only the records'
+    CRC-32s (computed by torch.save as DCP writes, checked on resume) can tell."""
     path = saved_once(tmp_path)
     shard = os.path.join(path, "__0_0.distcp")
     if damage == "missing":
         os.unlink(shard)
     elif damage == "truncated":
         os.truncate(shard, os.path.getsize(shard) // 2)
-    else:
+    elif damage == "flipped":
         with open(shard, "r+b") as f:
             f.seek(os.path.getsize(shard) - 100)
             f.write(b"\xff" * 8)
-    words = {"missing": "is missing", "truncated": "bytes, .* were written", "flipped": "sha256 mismatch"}[damage]
+    else:
+        weight = torch.load(os.path.join(path, "..", "weight.pt"), weights_only=True)
+        data = bytearray(open(shard, "rb").read())
+        at = bytes(data).find(weight.numpy().tobytes())
+        assert at > 0
+        data[at + 5] ^= 0x01
+        open(shard, "wb").write(bytes(data))
+    words = {"missing": "is missing", "truncated": "bytes, .* were written", "flipped": "checksum mismatch",
+             "value": "checksum mismatch"}[damage]  # fmt: skip
     with pytest.raises(CheckpointError, match=f"(?s){shard}.*{words}.*delete {path}"):
         ShardedCheckpointer(str(tmp_path)).resume(objects(*build("replicated", 0), {}))
 
