@@ -2,8 +2,8 @@
 
 One file per checkpoint (``<dir>/epoch0003-step000000.pt``): the objects' state_dicts, the
 position, per-rank RNG states, buffers and ``RankStateful`` states gathered to rank 0, a
-fingerprint and a sha256 checksum; only tensors and plain containers, read with
-``torch.load(weights_only=True)``. docs/reliability.md.
+fingerprint; only tensors and plain containers, read with ``torch.load(weights_only=True)``, after
+the CRC-32 of every record of its zip (written by torch.save as it writes) is checked. docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ import os
 import random
 import re
 import sys
+import threading
 import uuid
+import zipfile
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -22,12 +25,12 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from distlib.distributed import collectives
+from distlib.distributed import collectives, process_group
 from distlib.errors import DistlibError
 from distlib.log import get_logger
 
 FORMAT = "distlib-checkpoint"
-VERSION = 1
+VERSION = 2  # 1: a sha256 of the payload in "checksum" (computed before writing: read still); 2: records' CRC-32s
 _NAME = re.compile(r"^epoch(\d+)-step(\d+)\.pt$")
 
 
@@ -195,11 +198,28 @@ def write_atomic(payload: Mapping[str, Any], path: str) -> None:
         os.close(dfd)
 
 
+def _crc32_on() -> bool:
+    """Whether torch.save writes each record's CRC-32 (``torch.serialization.set_crc32_options``; on by default)."""
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    return bool(get()) if get is not None else True
+
+
+def _records_intact(path: str) -> bool:
+    """Every record of the file's zip matches its CRC-32 (torch.load itself does not check them)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return z.testzip() is None
+    except (zipfile.BadZipFile, OSError, EOFError, zlib.error):
+        return False
+
+
 def read_verified(path: str) -> dict[str, Any]:
-    """Load a checkpoint file with weights_only=True and check its format and checksum.
+    """Load a checkpoint file with weights_only=True and check its format and integrity: the CRC-32 of
+    every record (version 2), or the sha256 of the payload (version 1).
 
     Raises CheckpointError saying what is wrong with the file.
     """
+    intact = _records_intact(path)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, flipped bytes in the pickle, a foreign file
@@ -207,9 +227,14 @@ def read_verified(path: str) -> dict[str, Any]:
         raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {first})") from e
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a distlib checkpoint")
-    if payload.get("version") != VERSION:
-        raise CheckpointError(f"{path}: checkpoint format version {payload.get('version')!r}, expected {VERSION}")
-    if payload.get("checksum") != checksum(payload):
+    version = payload.get("version")
+    if version not in (1, VERSION):
+        raise CheckpointError(f"{path}: checkpoint format version {version!r}, expected 1 or {VERSION}")
+    if version == 1:
+        good = payload.get("checksum") == checksum(payload)
+    else:
+        good = intact or payload.get("record_crc32") is False  # written with torch.save's CRC-32s off
+    if not good:
         raise CheckpointError(f"{path}: checksum mismatch (the file is corrupted)")
     return payload
 
@@ -253,6 +278,10 @@ class Checkpointer:
         self.keep = keep
         self.is_main = is_main
         self.last_saved: tuple[int, int] | None = None  # (epoch, step) of the checkpoint last saved or loaded
+        self._writing: tuple[threading.Thread, dict[str, str]] | None = None  # rank 0's write in flight
+        self._host: dict[tuple[str, ...], torch.Tensor] = {}  # the pinned host copies async saves stage into
+        # distlib.shutdown() (and the exit hook) wait for a write in flight
+        process_group.on_shutdown(self._at_shutdown)
 
     def paths(self) -> list[str]:
         """Checkpoint files, newest first (temporary files of an interrupted write are ignored)."""
@@ -282,6 +311,7 @@ class Checkpointer:
         fingerprint: Mapping[str, Any],
         extra: Mapping[str, Any] | None = None,
         rank_extra: Mapping[str, Any] | None = None,
+        async_: bool = False,
     ) -> str | None:
         """Write a checkpoint at ``epoch`` completed epochs plus ``step`` steps.
 
@@ -290,7 +320,13 @@ class Checkpointer:
         collective (it gathers every rank's RNG state and ``rank_extra``):
         every rank must call it. Returns the path on rank 0, None elsewhere.
         Raises CheckpointError on every rank when rank 0 cannot write it.
+
+        ``async_=True``: rank 0 copies the state to host memory (pinned, kept between saves, on a GPU
+        machine) and writes the file in a background thread; the checkpoint appears (renamed into
+        place) when the write is done. The next ``save`` or ``wait()`` waits for it first (at most one
+        in flight) and raises the CheckpointError of a write that failed, on every rank.
         """
+        self.wait()
         buffers = {
             name: _to_cpu(dict(obj.named_buffers())) for name, obj in objects.items() if isinstance(obj, nn.Module)
         }
@@ -307,14 +343,33 @@ class Checkpointer:
                     "position": {"epoch": epoch, "step": step, "global_step": global_step},
                     "world_size": len(ranks),
                     "fingerprint": _to_cpu(dict(fingerprint)),
-                    "state": {name: _to_cpu(obj.state_dict()) for name, obj in objects.items()},
+                    "state": {name: obj.state_dict() for name, obj in objects.items()},
                     "ranks": ranks,
                     "extra": _to_cpu(dict(extra or {})),
+                    "record_crc32": _crc32_on(),
                 }
-                payload["checksum"] = checksum(payload)
-                write_atomic(payload, path)
-                for old in self.paths()[self.keep :]:
-                    os.unlink(old)
+                if not async_:
+                    payload["state"] = _to_cpu(payload["state"])
+                    self._write(payload, path)
+                else:
+                    payload["state"] = self._stage(payload["state"], ())
+                    staged = None
+                    if torch.cuda.is_available() and torch.cuda.is_initialized():
+                        staged = torch.cuda.Event()
+                        staged.record()  # after the copies, on the stream the next steps run on: ordered before them
+                    outcome: dict[str, str] = {}
+
+                    def write() -> None:
+                        try:
+                            if staged is not None:
+                                staged.synchronize()
+                            self._write(payload, path)
+                        except Exception as e:  # reported by the next save or wait(), on every rank
+                            outcome["error"] = f"rank 0 could not write checkpoint {path}: {type(e).__name__}: {e}"
+
+                    thread = threading.Thread(target=write, name="distlib-checkpoint", daemon=True)
+                    thread.start()
+                    self._writing = (thread, outcome)
             except Exception as e:
                 error = f"rank 0 could not write checkpoint {path}: {type(e).__name__}: {e}"
         error = collectives.broadcast_object(error)  # every rank fails together, none hangs
@@ -322,6 +377,53 @@ class Checkpointer:
             raise CheckpointError(error)
         self.last_saved = (epoch, step)
         return path if self.is_main else None
+
+    def _write(self, payload: dict[str, Any], path: str) -> None:
+        write_atomic(payload, path)
+        for old in self.paths()[self.keep :]:
+            os.unlink(old)
+
+    def _stage(self, obj: Any, key: tuple[str, ...]) -> Any:
+        """A host copy of ``obj``'s tensors that later steps cannot change: into pinned memory kept
+        between saves on a GPU machine, a plain copy on the CPU."""
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            host = self._host.get(key)
+            if host is None or host.shape != t.shape or host.dtype != t.dtype:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+                if t.is_cuda:
+                    self._host[key] = host
+            host.copy_(t, non_blocking=t.is_cuda)
+            return host
+        if isinstance(obj, Mapping):
+            return {k: self._stage(v, (*key, str(k))) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._stage(v, (*key, str(i))) for i, v in enumerate(obj))
+        return obj
+
+    def wait(self) -> None:
+        """Wait for the asynchronous write in flight, if any (rank 0), and raise its CheckpointError on
+        every rank. A collective: every rank must call it, in the same order."""
+        error = self._join()
+        error = collectives.broadcast_object(error)
+        if error:
+            raise CheckpointError(error)
+
+    def _join(self) -> str | None:
+        if self._writing is None:
+            return None
+        thread, outcome = self._writing
+        self._writing = None
+        thread.join()
+        return outcome.get("error")
+
+    def _at_shutdown(self, together: bool) -> None:
+        """``distlib.shutdown()``'s call: rank 0 finishes its write in flight (the file is renamed into
+        place by the write itself: no other rank is needed); its error is raised there."""
+        if self._writing is not None:
+            error = self._join()
+            if error:
+                raise CheckpointError(error)
 
     def _find_latest(self) -> tuple[dict[str, Any] | None, str | None, list[str]]:
         """Rank 0: the newest readable checkpoint, its path, and the problems with newer ones."""

@@ -180,17 +180,35 @@ def test_a_changed_tensor_value_fails_the_checksum(tmp_path):
     data = bytearray(open(path, "rb").read())
     at = data.find(struct.pack("<f", 1.2345678) * 4)
     assert at > 0
-    data[at] ^= 0x01  # the zip and the pickle stay valid: only the checksum can tell
+    data[at] ^= 0x01  # the zip and the pickle stay valid: only the records' CRC-32s can tell
     open(path, "wb").write(bytes(data))
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         read_verified(path)
     # a one-element tensor counts too (BatchNorm's num_batches_tracked, a 0-dim step counter)
-    payload = torch.load(path, weights_only=True)
-    payload["checksum"] = checksum(payload)  # valid again: the flipped byte is now the value
-    write_atomic(payload, path)
+    path = ck.save(objects(model, opt, sched), epoch=2, step=0, global_step=2, fingerprint=fingerprint(model))
     read_verified(path)
-    counter = next(k for k, v in payload["state"]["model"].items() if v.dim() == 0)
-    payload["state"]["model"][counter] += 1
+    counter = next(v for v in model.state_dict().values() if v.dim() == 0)
+    data = bytearray(open(path, "rb").read())
+    at = data.find(counter.numpy().tobytes() + b"PK")  # the record's bytes, then the next zip header
+    assert at > 0
+    data[at] ^= 0x01
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        read_verified(path)
+
+
+def test_a_version_1_checkpoint_with_its_sha256_still_loads_and_is_checked(tmp_path):
+    """Files of the format before the CRC-32s: a sha256 of the payload, computed before writing."""
+    model, opt, sched = make()
+    ck = Checkpointer(str(tmp_path))
+    path = ck.save(objects(model, opt, sched), epoch=1, step=0, global_step=1, fingerprint=fingerprint(model))
+    payload = torch.load(path, weights_only=True)
+    payload["version"] = 1
+    del payload["record_crc32"]
+    payload["checksum"] = checksum(payload)
+    write_atomic(payload, path)
+    assert read_verified(path)["version"] == 1
+    payload["position"]["step"] = 7  # another payload, a stale sha256
     write_atomic(payload, path)
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         read_verified(path)
@@ -238,10 +256,9 @@ def test_a_checkpoint_of_another_format_version_is_refused(tmp_path):
     ck, _ = saved_three(tmp_path)
     path = ck.paths()[0]
     payload = torch.load(path, weights_only=True)
-    payload["version"] = 2
-    payload["checksum"] = checksum(payload)  # a valid file of another version
-    write_atomic(payload, path)
-    with pytest.raises(CheckpointError, match="checkpoint format version 2, expected 1"):
+    payload["version"] = 3
+    write_atomic(payload, path)  # a valid file of another version
+    with pytest.raises(CheckpointError, match="checkpoint format version 3, expected 1 or 2"):
         read_verified(path)
     # a readable torch file of something else under a checkpoint's name (a bare state_dict)
     write_atomic(make()[0].state_dict(), path)

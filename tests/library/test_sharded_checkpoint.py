@@ -223,9 +223,11 @@ def test_keeps_the_newest_committed_checkpoints(tmp_path):
 # ---- kill -9 mid-save -------------------------------------------------------------------------
 
 
-def _killed_mid_save(ctx, directory: str, where: str, device: str):
+def _killed_mid_save(ctx, directory: str, where: str, device: str, async_: bool = False):
     """Save step 1, train, then save step 2 with one rank SIGKILLed inside it (``where``: rank 1 while it
-    writes its shards, or rank 0 after every rank wrote, just before its rename commits)."""
+    writes its shards, or rank 0 after every rank wrote, just before its rename commits). ``async_``:
+    step 2's save is asynchronous (rank 1 dies in the background write), training goes on, close()
+    commits."""
     device = device if device == "cpu" else str(ctx.device)
     model, opt, sched = build("fsdp", seed=0, device=device)
     ck = ShardedCheckpointer(directory, keep=1)  # keep=1: step 1 may go only once step 2 is committed
@@ -252,7 +254,10 @@ def _killed_mid_save(ctx, directory: str, where: str, device: str):
             replace(src, dst)
 
         os.replace = die_before_rename
-    ck.save(2, objects(model, opt, sched, {"step": 2}))
+    ck.save(2, objects(model, opt, sched, {"step": 2}), async_=async_)
+    if async_:
+        train_step("fsdp", model, opt, sched, 3, device)
+        ck.close()
     raise AssertionError("the save should have failed: a rank was killed")
 
 
@@ -264,13 +269,13 @@ def _resume_state(ctx, directory: str, device: str = "cpu"):
     return step, train, full_state(model, opt)
 
 
-def kill_mid_save_then_resume(tmp_path, where: str, backend: str) -> None:
+def kill_mid_save_then_resume(tmp_path, where: str, backend: str, async_: bool = False) -> None:
     directory = str(tmp_path / "ck")
     os.makedirs(directory)
     device = "cpu" if backend == "gloo" else "cuda"
     ctx = _rank_context("forkserver" if backend == "gloo" else "spawn")
     queue, port = ctx.Queue(), free_port()
-    args = ((directory, where, device), queue, backend, 20, dict(os.environ), True, _Stdio())
+    args = ((directory, where, device, async_), queue, backend, 20, dict(os.environ), True, _Stdio())
     procs = [ctx.Process(target=_worker, args=(_killed_mid_save, r, 2, port, *args)) for r in range(2)]
     for p in procs:
         p.start()
@@ -294,9 +299,10 @@ def kill_mid_save_then_resume(tmp_path, where: str, backend: str) -> None:
     assert os.listdir(directory) == ["step000000001"]  # resume deleted the partial directory
 
 
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("where", ["write", "commit"])
-def test_kill_9_mid_save_leaves_the_previous_checkpoint_to_resume(tmp_path, where):
-    kill_mid_save_then_resume(tmp_path, where, "gloo")
+def test_kill_9_mid_save_leaves_the_previous_checkpoint_to_resume(tmp_path, where, async_):
+    kill_mid_save_then_resume(tmp_path, where, "gloo", async_)
 
 
 # ---- export -----------------------------------------------------------------------------------
