@@ -39,8 +39,13 @@ class RunCheckpoints:
         """Load the newest valid checkpoint into the objects (``enabled``), or delete every old one."""
         raise NotImplementedError
 
-    def save(self, *, epoch: int, step: int, global_step: int) -> None:
+    def save(self, *, epoch: int, step: int, global_step: int, async_: bool = False) -> None:
+        """``async_``: staged to host memory and written in the background (at most one in flight: the
+        next save waits for it, and ``distlib.shutdown()`` finishes it), as atomically as a synchronous one."""
         raise NotImplementedError
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight is staged: for a step whose optimizer runs inside a CUDA graph."""
 
 
 def _other_format(found: list[str], directory: str, saved: str, here: str) -> CheckpointError:
@@ -66,9 +71,9 @@ class ReplicatedCheckpoints(RunCheckpoints):
             raise _other_format(found, self.directory, "sharded (dist.shard=optimizer or full)", "dist.shard=none")
         self.checkpointer.resume(self.objects, fingerprint=self.fingerprint, enabled=enabled, epochs=epochs)
 
-    def save(self, *, epoch: int, step: int, global_step: int) -> None:
+    def save(self, *, epoch: int, step: int, global_step: int, async_: bool = False) -> None:
         self.checkpointer.save(self.objects, epoch=epoch, step=step, global_step=global_step,
-                               fingerprint=self.fingerprint)  # fmt: skip
+                               fingerprint=self.fingerprint, async_=async_)  # fmt: skip
 
 
 def _sharded_paths(directory: str) -> list[str]:
@@ -184,9 +189,12 @@ class ShardedRunCheckpoints(RunCheckpoints):
         else:
             log.info("resuming from %s: epoch %d, step %d", path, state.epoch, state.step)
 
-    def save(self, *, epoch: int, step: int, global_step: int) -> None:
+    def save(self, *, epoch: int, step: int, global_step: int, async_: bool = False) -> None:
         self.ranks.gather()
-        self.checkpointer.save(global_step, self.objects)
+        self.checkpointer.save(global_step, self.objects, async_=async_)
+
+    def wait_staged(self) -> None:
+        self.checkpointer.wait_staged()
 
 
 def build_checkpoints(

@@ -381,7 +381,7 @@ class Trainer:
         if ends_epoch:
             s.epoch, s.step, s.train_s, s.epoch_s = epoch, 0, s.train_s + s.epoch_s, 0.0
         if budget.checkpoints(step):
-            self.save_checkpoint()
+            self.save_checkpoint(background=not final)  # the final save is the one the run ends on
         if row is not None:
             self.progress.epoch_end(row, ends_epoch=ends_epoch)
             self.curves.add(row)
@@ -427,11 +427,14 @@ class Trainer:
                    **self.task.model_figures(model)}  # fmt: skip
         self.timeline.note(task=self.task.name, **{f"final_{k}": v for k, v in final.items()}, **figures, **extra)
 
-    def save_checkpoint(self) -> None:
-        """A checkpoint of the models, optimizer, schedule and ``state`` (a collective)."""
+    def save_checkpoint(self, background: bool = False) -> None:
+        """A checkpoint of the models, optimizer, schedule and ``state`` (a collective). ``background``:
+        asynchronous (runner/checkpoints.py), training continues while it is written."""
         s = self.state
         s.elapsed_s = time.perf_counter() - self._t_start
-        self.checkpoints.save(epoch=s.epoch, step=s.step, global_step=self.global_step)
+        self.checkpoints.save(epoch=s.epoch, step=s.step, global_step=self.global_step, async_=background)
+        if background and self.cfg.train.cuda_graph:  # the captured optimizer step runs no step pre-hook
+            self.checkpoints.wait_staged()
 
     # ---- teardown ------------------------------------------------------------------------
 

@@ -352,3 +352,37 @@ def test_newest_is_the_latest_epoch_then_step_with_mid_epoch_checkpoints(tmp_pat
     assert names == ["epoch0002-step000003.pt", "epoch0002-step000000.pt", "epoch0001-step000005.pt"]
     resumed = Checkpointer(str(tmp_path)).load(objects(*make(seed=1)), fingerprint=fp)
     assert (resumed.epoch, resumed.step, resumed.global_step) == (2, 3, 19)
+
+
+def test_an_async_save_holds_the_state_of_its_step_and_is_waited_for(tmp_path, monkeypatch):
+    """save(async_=True) returns with the state copied: the steps that follow do not change the file;
+    wait() (or the next save) finishes it, and a failed background write is raised there."""
+    import threading
+
+    from distlib.checkpoint import checkpointer
+
+    trained, write = threading.Event(), checkpointer.write_atomic
+
+    def write_later(payload, path):  # the write starts only once the next steps have run
+        trained.wait(30)
+        write(payload, path)
+
+    monkeypatch.setattr(checkpointer, "write_atomic", write_later)
+    model, opt, sched = make()
+    train_steps(model, opt, sched)
+    expected = copy.deepcopy(model.state_dict())
+    ck = Checkpointer(str(tmp_path))
+    ck.save(objects(model, opt, sched), epoch=1, step=0, global_step=2, fingerprint=fingerprint(model), async_=True)
+    train_steps(model, opt, sched)  # while it is written
+    trained.set()
+    ck.wait()
+    payload = read_verified(ck.paths()[0])
+    for k, v in expected.items():
+        assert torch.equal(payload["state"]["model"][k], v), k
+    assert not any(torch.equal(payload["state"]["model"][k], v) for k, v in model.state_dict().items()
+                   if v.is_floating_point())  # fmt: skip
+    (tmp_path / "a-file").write_text("")
+    ck.directory = str(tmp_path / "a-file" / "checkpoints")  # the next write cannot create its directory
+    ck.save(objects(model, opt, sched), epoch=2, step=0, global_step=4, fingerprint=fingerprint(model), async_=True)
+    with pytest.raises(CheckpointError, match="could not write checkpoint"):
+        ck.wait()

@@ -548,3 +548,18 @@ def test_a_checkpoint_crosses_the_optimizer_sharding_boundary_at_any_world_size(
         for key in ref_state[name]:
             torch.testing.assert_close(state[name][key], ref_state[name][key], rtol=0, atol=0, msg=f"{name}.{key}")
     assert loss == pytest.approx(ref_loss, rel=1e-6)
+
+
+def _save_replicated(ctx, directory: str) -> None:
+    model, opt, sched = build("replicated", seed=0, width=4096)  # tensors large next to the small values
+    train_step("replicated", model, opt, sched, 1)
+    ShardedCheckpointer(directory).save(1, objects(model, opt, sched, {"step": 1}))
+
+
+def test_a_replicated_model_is_written_in_parts_by_every_rank(tmp_path):
+    """Every rank holds every tensor: DCP's planner spreads them over the ranks, so each writes a part
+    (a save gets faster with ranks), and together they write the checkpoint once."""
+    run_ranks(_save_replicated, 2, str(tmp_path))
+    step = tmp_path / "step000000001"
+    parts = [sum(f.stat().st_size for f in step.glob(f"__{r}_*.distcp")) for r in range(2)]
+    assert min(parts) > 0.3 * sum(parts), parts
