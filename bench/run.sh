@@ -21,6 +21,11 @@
 #                BatchNorm buffers broadcast from rank 0 before each forward)      ("Training step")
 #   compile_startup  the first compiled step and the whole command, compile_for_sync against
 #                DDP + torch.compile, cold and warm inductor cache (bench/compile_startup.py)
+#   scale        the 1.5B GPT through the runner on one GPU per shard mode (model build, compile warm-up
+#                cold and warm, tokens/s, MFU, peak memory, final save), with the anchors (a build on the
+#                GPU, torch.save, an async save's stall, bench.gpt_step single-compile) and the largest
+#                6.7B batch (seq 4096) per activation checkpointing mode; one command per part
+#                (bench/scale.py; SCALE_ARGS adds arguments)                       ("Large models")
 #   checkpoint   how long a sharded checkpoint's save blocks training, synchronous against asynchronous:
 #                bench/checkpoint_stall.py on one GPU (4 GB of parameters + AdamW) and FSDP2 over
 #                every GPU                                                         ("Sharded checkpoints")
@@ -127,6 +132,17 @@ for suite in "$@"; do
                 --json "$OUT/sharding_$size.json" ${GPT_ARGS:-}
         done
         ;;
+    scale)
+        rm -f "$OUT/scale.jsonl"
+        run scale_anchors $PY -m bench.scale --parts anchors --json "$OUT/scale.jsonl" ${SCALE_ARGS:-}
+        for m in none optimizer full; do
+            run "scale_$m" $PY -m bench.scale --parts runner --modes "$m" --json "$OUT/scale.jsonl" ${SCALE_ARGS:-}
+        done
+        for m in none full selective; do
+            run "scale_ac_$m" $PY -m bench.scale --parts ac --ac-modes "$m" --json "$OUT/scale.jsonl" ${SCALE_ARGS:-}
+        done
+        run scale_report $PY -m bench.scale --report "$OUT/scale.jsonl"
+        ;;
     checkpoint)
         run checkpoint_single $PY -m bench.checkpoint_stall --device cuda --mb 4000
         run checkpoint_fsdp $TORCHRUN -m bench.checkpoint_stall --device cuda --fsdp --mb 4000
@@ -161,7 +177,7 @@ done
 
 # each command's own table, then the status of every command
 for name in tests step step_broadcast-buffers step_no-broadcast-buffers compile_startup allreduce fallback cifar \
-    shakespeare checkpoint_single checkpoint_fsdp; do show "$name" 30; done
+    shakespeare checkpoint_single checkpoint_fsdp scale_report; do show "$name" 30; done
 for log in "$OUT"/gpt_*.log "$OUT"/sharding_*.log; do
     case $log in *baseline*) ;; *) [ -f "$log" ] && show "$(basename "$log" .log)" 14 ;; esac
 done

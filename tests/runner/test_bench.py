@@ -302,3 +302,56 @@ def test_gpt_baseline_trains_bytes_to_a_validation_loss(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = dict(kv.split("=") for kv in out.stdout.splitlines()[-1].split()[1:])
     assert float(result["val_loss"]) < math.log(256) - 1.0 and float(result["train_s"]) > 0
+
+
+# ---- bench.scale ---------------------------------------------------------------------------------
+def test_scale_parses_its_parts_and_tiny_sizes_and_tables_every_part():
+    from bench import scale
+
+    args = scale.parse_args(["--tiny", "--modes=optimizer"])
+    assert (args.device, args.size, args.modes, args.ac_batches) == ("cpu", "2x64", ["optimizer"], [1, 2])
+    assert scale.parse_args([]).size == "1.5B" and scale.parse_args([]).ac_size == "6.7B"
+    with pytest.raises(SystemExit):
+        scale.parse_args(["--modes=zero3"])
+    rows = [
+        {"part": "runner", "mode": "none", "cache": "cold", "rc": 0, "model_s": 0.4, "warmup_s": 15.3,
+         "to_first_step_s": 24.0, "tokens_per_s": 48500.0, "mfu": 0.504, "peak_mem_gib": 64.7, "final_save_s": 25.0},
+        {"part": "runner", "mode": "full", "cache": "warm", "rc": 1, "note": "boom"},
+        {"part": "anchors", "mode": "plain", "build_s": 0.38, "torch_save_s": 23.0, "checkpoint_gib": 16.5,
+         "async_blocked_s": 0.02, "async_stall_s": 0.9, "async_write_after_s": 25.5},
+        {"part": "anchors", "mode": "single-compile", "tokens_per_s": 48900.0, "mfu": 0.508, "peak_mem_gib": 72.0},
+        {"part": "ac", "mode": "full", "size": "6.7B", "seq_len": 4096, "tried": "1: ok, 2: OOM", "max_batch": 1,
+         "tokens_per_s": 8000.0, "tflops": 350.0, "peak_mem_gib": 130.0},
+    ]  # fmt: skip
+    text = scale.table(rows)
+    assert "| none | cold | 0.40 | 15.3 | 24.0 | 48500 | 50.4% | 64.7 | 25.0 |" in text
+    assert "| full | warm | failed: boom |" in text
+    assert "| 0.38 s |" in text and "0.02 / 0.90 / 25.5 s" in text and "48900 tokens/s, 50.8%" in text
+    assert "| full | 6.7B, seq 4096 | 1 | 8000 | 350.0 | 130.0 | 1: ok, 2: OOM |" in text
+
+
+@pytest.mark.slow
+def test_scale_runs_tiny_on_the_cpu_through_the_runner(tmp_path):
+    """Every part at tiny sizes on the CPU: the runner in one shard mode cold and warm (its figures
+    from summary.json and metrics.jsonl), the anchors, the largest batch per checkpointing mode; the
+    rows in the JSON file and the table last."""
+    out = tmp_path / "scale.jsonl"
+    cmd = [sys.executable, "-m", "bench.scale", "--tiny", "--modes=optimizer", "--ac-modes=selective",
+           "--ac-batches=1,2", f"--json={out}", f"--dir={tmp_path / 'work'}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    runner = [r for r in rows if r["part"] == "runner"]
+    assert [r["cache"] for r in runner] == ["cold", "warm"]
+    for r in runner:
+        assert r["rc"] == 0 and r["model_s"] > 0 and r["to_first_step_s"] > 0 and r["tokens_per_s"] > 0, r
+        assert r["final_save_s"] is not None
+    anchors = {r["mode"]: r for r in rows if r["part"] == "anchors"}
+    assert anchors["plain"]["build_s"] > 0 and anchors["plain"]["torch_save_s"] > 0
+    assert anchors["plain"]["async_blocked_s"] >= 0 and anchors["single-compile"]["tokens_per_s"] > 0
+    (ac,) = [r for r in rows if r["part"] == "ac"]
+    assert ac["mode"] == "selective" and ac["max_batch"] == 2 and ac["tried"] == "1: ok, 2: ok"
+    assert "| optimizer | warm |" in proc.stdout and "| selective |" in proc.stdout
+    report = subprocess.run([sys.executable, "-m", "bench.scale", f"--report={out}"], cwd=ROOT, capture_output=True,
+                            text=True)  # fmt: skip
+    assert report.returncode == 0 and "| optimizer | cold |" in report.stdout
