@@ -4,7 +4,8 @@ arguments from the recipe (``model: {name: mypkg.nets:MyNet, args: {width: 64}}`
 ``check`` validates a component at load time (module, attribute, callable, keyword arguments,
 annotated types) and records each mistake as a problem naming the recipe key; ``build`` calls it.
 The runner fills in the keyword arguments it knows (``provided``: e.g. ``num_classes``) when the
-callable accepts them and the recipe does not set them.
+callable accepts them and the recipe does not set them. A callable with a ``check_args(args)``
+attribute also checks the values of its arguments (returning the problems, one per line).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ REGISTRY: dict[str, dict[str, str]] = {
         "resnet18_cifar": "distlib.runner.models:resnet18_cifar",
         "small_cnn": "distlib.runner.models:small_cnn",
         "gpt": "distlib.runner.models:gpt",
+        "hf_causal_lm": "distlib.runner.hf_causal_lm:hf_causal_lm",
     },
     "data": {
         "image_folder": "distlib.runner.data:load_image_set",
@@ -139,6 +141,8 @@ def check(
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty:
             if arg not in args and arg not in provided:
                 problems.append(f"{key}.args: {name} needs the argument {arg!r}; add {key}.args.{arg}")
+    if callable(own := getattr(fn, "check_args", None)):  # its arguments' values, beyond their types
+        problems.extend(own(args))
     return fn
 
 

@@ -44,7 +44,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = "resnet18_cifar"  # resnet18_cifar (3x3 stem, no max-pool), small_cnn, gpt, or package.module:callable
+    name: str = "resnet18_cifar"  # resnet18_cifar (3x3 stem), small_cnn, gpt, hf_causal_lm, or package.module:callable
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the model (gpt: n_layer, n_embd, ...)
     width: int = 64  # base channel count of small_cnn (given to any model that takes `width`)
     num_classes: int = 10  # must match the data set (given to any model that takes `num_classes`)
@@ -89,7 +89,7 @@ class TrainConfig:
     activation_checkpointing: Literal["none", "full", "selective"] = "none"  # recompute in backward; true: full
     prewarm_steps: int = 5  # on a GPU: steps run, then undone, before the clock (autotuning, graph capture)
     cudnn_benchmark: bool = True  # on a GPU: cuDNN tries its algorithms for each convolution (in the warm-up)
-    task: Literal["auto", "classification", "causal_lm"] = "auto"  # auto: causal_lm for text/token data or gpt
+    task: Literal["auto", "classification", "causal_lm"] = "auto"  # auto: causal_lm for text/token data or an LM model
     peak_tflops: float = 0.0  # dense bf16 TFLOP/s of one GPU for MFU; 0 = from the GPU's name (none on a CPU)
     sample_tokens: int = 200  # causal_lm: bytes generated from the final model, printed and in summary.json
 
@@ -386,14 +386,16 @@ def _check_sharding(cfg: Config, problems: list[str]) -> None:
 
 
 def task_of(cfg: Config) -> str:
-    """train.task, with "auto" resolved: causal_lm for byte_text or token_file data or the gpt model, else
-    classification."""
+    """train.task, with "auto" resolved: causal_lm for byte_text or token_file data or a language model
+    (gpt, hf_causal_lm), else classification."""
     if cfg.train.task != "auto":
         return cfg.train.task
-    return "causal_lm" if cfg.data.name in LM_DATA or cfg.model.name == "gpt" else "classification"
+    lm = cfg.data.name in LM_DATA or cfg.model.name in LM_MODELS
+    return "causal_lm" if lm else "classification"
 
 
 LM_DATA = ("byte_text", "token_file")  # the built-in language-model data sets
+LM_MODELS = ("gpt", "hf_causal_lm")  # the built-in language models
 
 
 # the keyword arguments the runner gives a component that takes them (runner/tasks.py), so a
@@ -423,6 +425,11 @@ def _check_components(cfg: Config, problems: list[str]) -> None:
     if cfg.data.name == "token_file" and cfg.model.name == "gpt" and "vocab_size" not in cfg.model.args:
         problems.append("model.args.vocab_size: needed with data.name=token_file (the tokenizer's vocabulary size; "
                         "the gpt's default of 256 is byte_text's)")  # fmt: skip
+    hf_config = cfg.model.args.get("config")
+    if cfg.data.name == "token_file" and cfg.model.name == "hf_causal_lm" and isinstance(hf_config, dict):
+        if "vocab_size" not in hf_config:
+            problems.append("model.args.config.vocab_size: needed with data.name=token_file (the tokenizer's "
+                            "vocabulary size; the config class's default is some other model's)")  # fmt: skip
 
 
 def load_config(recipe: str | os.PathLike | None, overrides: list[str] = ()) -> Config:

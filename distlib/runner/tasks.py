@@ -14,7 +14,9 @@ through the library's ``distributed_loader``.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -304,9 +306,15 @@ class CausalLMTask(Task):
 
 def recipe_vocab_size(cfg: Config) -> int | None:
     """The model's vocabulary size as the recipe gives it (``model.args.vocab_size``, or the
-    ``vocab_size`` of a model config mapping in ``model.args.config``); None when it gives none."""
+    ``vocab_size`` of a model config mapping in ``model.args.config``, or of the ``config.json`` of a
+    pretrained folder in ``model.args.pretrained``); None when it gives none."""
     args = cfg.model.args
     config = args.get("config")
+    if config is None and isinstance(args.get("pretrained"), str):
+        with contextlib.suppress(OSError, ValueError):
+            with open(os.path.join(args["pretrained"], "config.json")) as f:
+                config = json.load(f)
+                config = config.get("text_config", config)  # a multimodal model's language part
     size = args.get("vocab_size", config.get("vocab_size") if isinstance(config, dict) else None)
     return size if isinstance(size, int) else None
 

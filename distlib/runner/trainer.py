@@ -180,7 +180,8 @@ class Trainer:
         dist.shard mode: the same weights in every mode and at every world size. With
         dist.shard=full ``shard_model`` then keeps this rank's shards (FSDP2 per entry of the
         model's ``blocks``, then the root; bf16 weights in the layers with train.precision=bf16 on
-        a GPU, gradients reduced in fp32)."""
+        a GPU, gradients reduced in fp32). A model with ``load_pretrained()`` (hf_causal_lm from a
+        folder) then reads its weights into its parameters where they are."""
         cfg, device = self.cfg, self.ctx.device
 
         def build() -> torch.nn.Module:
@@ -193,12 +194,15 @@ class Trainer:
         if cfg.dist.shard == "full":
             dtype = autocast_dtype(cfg.train.precision, device)  # bf16 on a GPU, None (fp32) on the CPU
             block_types = [cfg.model.block_class] if cfg.model.block_class else None  # else model.blocks
-            return distlib.shard_model(build, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
-                                       device=device, block_types=block_types)  # fmt: skip
-        with torch.device(device):  # where it runs: no copy on the host first
-            model = build().to(device)  # .to: a no-op, unless the model put a tensor on a device of its own
-        if cfg.model.channels_last:  # changes 4-D (convolution) weights only
-            model = model.to(memory_format=torch.channels_last)
+            model = distlib.shard_model(build, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
+                                        device=device, block_types=block_types)  # fmt: skip
+        else:
+            with torch.device(device):  # where it runs: no copy on the host first
+                model = build().to(device)  # .to: a no-op, unless the model put a tensor on a device of its own
+            if cfg.model.channels_last:  # changes 4-D (convolution) weights only
+                model = model.to(memory_format=torch.channels_last)
+        if callable(load := getattr(model, "load_pretrained", None)):
+            load()  # weights from files, read in place: under dist.shard=full each rank its shards' rows
         return model
 
     def build_optimizer(self, model: torch.nn.Module) -> OptimizerSpec:

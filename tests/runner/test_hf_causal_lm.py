@@ -1,0 +1,447 @@
+"""model.name=hf_causal_lm: a tiny Hugging Face Llama, saved with save_pretrained in a temporary
+folder, loads through a recipe at 1, 2 and 3 gloo ranks in every dist.shard mode with the folder's
+weights, and its first-step loss on each rank equals transformers' own
+``model(input_ids=x, labels=x).loss`` on that rank's batch; a sharded-safetensors folder loads under
+dist.shard=full with every rank reading only its rows; built from a config it initialises as
+transformers does, its blocks are the decoder layers (overridable), its embeddings stay tied under
+FSDP2, a run resumes from its checkpoint; the recipe's mistakes are ConfigErrors at load time.
+Nothing is downloaded: every model is made here from a config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import shutil
+from collections.abc import Iterator
+
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import distlib  # noqa: E402
+from distlib.runner.config import ConfigError, load_config  # noqa: E402
+from tests.conftest import ROOT, run_ranks  # noqa: E402
+from tests.runner.test_trainer import built, metrics  # noqa: E402
+
+TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=True)  # fmt: skip
+BLOCK, BATCH = 16, 6  # 6 sequences divide over 1, 2 and 3 ranks
+SHARDS = ("none", "optimizer", "full")
+
+
+def save_tiny(directory, seed: int = 0, max_shard_size: str | None = None, **overrides) -> dict[str, torch.Tensor]:
+    """A tiny Llama with transformers' own initialisation, written by save_pretrained; its state dict."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(**{**TINY, **overrides})
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # norms away from 1: a norm weight left at its initial value would not show
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.uniform_(0.5, 1.5)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(directory), **kwargs)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A pretrained folder (one model.safetensors) and a small text to train on."""
+    root = tmp_path_factory.mktemp("hf")
+    state = save_tiny(root / "tiny")
+    with gzip.open(os.path.join(ROOT, "data", "shakespeare-demo", "shakespeare.txt.gz"), "rb") as f:
+        (root / "text.txt").write_bytes(f.read()[:4_000])
+    return root, state
+
+
+def recipe(root, out_dir, model_args: dict, *, epochs: int = 1, steps: int = 2) -> str:
+    """A recipe file: the tiny text in windows of BLOCK bytes, ``steps`` steps of BATCH sequences
+    per epoch, AdamW, fp32, no label smoothing (transformers' loss has none)."""
+    path = f"{out_dir}.{os.getpid()}.yaml"  # each rank its own: a rank must not read another's half-written file
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    data = {
+        "data": {"name": "byte_text", "root": str(root / "text.txt"), "args": {"block_size": BLOCK, "val_frac": 0.1},
+                 "train_subset": BATCH * steps},
+        "model": {"name": "hf_causal_lm", "args": model_args},
+        "train": {"epochs": epochs, "batch_size": BATCH, "optimizer": "adamw", "lr": 1e-2, "label_smoothing": 0.0,
+                  "precision": "fp32", "clip_grad_norm": 1.0, "warmup_frac": 0.0, "sample_tokens": 0},
+        "run": {"out_dir": out_dir, "progress": "plain", "resume": True},
+    }  # fmt: skip
+    with open(path, "w") as f:
+        yaml.safe_dump(data, f)
+    return path
+
+
+def whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of the model's state dict whole (DTensors gathered), on the CPU."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+            for k, v in model.state_dict().items()}  # fmt: skip
+
+
+class FirstBatch:
+    """The trainer's step, keeping the first batch and every step's loss of this rank."""
+
+    def __init__(self, step):
+        self.step, self.batch, self.losses = step, None, []
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.batch is None:
+            self.batch = (x.detach().cpu().clone(), y.detach().cpu().clone())
+        loss = self.step(x, y)
+        self.losses.append(loss.item())
+        return loss
+
+    def __getattr__(self, name: str):
+        return getattr(self.step, name)
+
+
+@contextlib.contextmanager
+def group_kept() -> Iterator[None]:
+    """A trainer's close that keeps the process group (a barrier in place of distlib.shutdown), so
+    that these ranks run the next recipe in it: new ranks would import transformers again."""
+    real = distlib.shutdown
+    distlib.shutdown = lambda *, barrier=None: distlib.barrier() if barrier is not False else None
+    try:
+        yield
+    finally:
+        distlib.shutdown = real
+
+
+def _every_shard_mode(ctx, root: str, out: str) -> dict:
+    """This rank's first batch, losses and whole initial weights in each dist.shard mode."""
+    from pathlib import Path
+
+    results = {}
+    for shard in SHARDS:
+        path = recipe(Path(root), os.path.join(out, shard), {"pretrained": os.path.join(root, "tiny")})
+        cfg = load_config(path, [f"dist.shard={shard}"])
+        with group_kept(), built(cfg, ctx) as trainer:
+            initial = whole(trainer.model)
+            hf = trainer.model.hf
+            tied = hf.lm_head.weight is hf.model.embed_tokens.weight
+            trainer.step_fn = step = FirstBatch(trainer.step_fn)
+            assert trainer.fit() == 0
+            still_tied = hf.lm_head.weight is hf.model.embed_tokens.weight
+        results[shard] = {"batch": step.batch, "losses": step.losses, "initial": initial, "tied": (tied, still_tied)}
+    return results
+
+
+def _transformers_loss(directory, x: torch.Tensor, y: torch.Tensor) -> float:
+    """transformers' own loss on the window the runner's (x, y) come from: it shifts the labels itself."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    window = torch.cat([x, y[:, -1:]], dim=1).long()
+    with torch.no_grad():
+        return model(input_ids=window, labels=window).loss.item()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_a_pretrained_llama_loads_in_every_shard_mode_with_transformers_first_loss(
+    folder, tmp_path, world_size, world_size_1
+):
+    """Each rank's first loss equals transformers' loss on its batch (1e-5 relative: the same
+    sums in another order); the weights the run starts from are the folder's (exactly, the tied
+    embedding included, which stays tied through training); the later losses agree between the
+    modes (their sums in other orders: 1e-4)."""
+    root, saved = folder
+    if world_size == 1:
+        got = [_every_shard_mode(distlib.init("gloo"), str(root), str(tmp_path))]
+    else:
+        got = run_ranks(_every_shard_mode, world_size, str(root), str(tmp_path), timeout=300)
+    for rank, results in enumerate(got):
+        for shard in SHARDS:
+            r = results[shard]
+            x, y = r["batch"]
+            assert x.shape == (BATCH // world_size, BLOCK)
+            assert r["losses"][0] == pytest.approx(_transformers_loss(root / "tiny", x, y), rel=1e-5), (shard, rank)
+            for k, v in saved.items():
+                torch.testing.assert_close(r["initial"][f"hf.{k}"], v, rtol=0, atol=0, msg=f"{shard}: {k}")
+            assert r["tied"] == (True, True), shard
+            assert r["losses"] == pytest.approx(results["none"]["losses"], rel=1e-4), (shard, rank)
+
+
+# ---- a sharded folder: each rank reads only its rows --------------------------------------------
+def _read_counted(ctx, root: str, out: str, folder_name: str) -> dict:
+    """Build the run under dist.shard=full, counting what each safetensors read returns on this rank."""
+    from pathlib import Path
+
+    import safetensors
+
+    opened, read = [], [0]
+    real = safetensors.safe_open
+
+    class Counted:
+        def __init__(self, path, *args, **kwargs):
+            opened.append(os.path.basename(path))
+            self.f = real(path, *args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, name):
+            part = self.inner.get_slice(name)
+
+            class Slice:
+                def get_shape(self):
+                    return part.get_shape()
+
+                def __getitem__(self, index):
+                    t = part[index]
+                    read[0] += t.numel() * t.element_size()
+                    return t
+
+            return Slice()
+
+        def get_tensor(self, name):
+            t = self.inner.get_tensor(name)
+            read[0] += t.numel() * t.element_size()
+            return t
+
+    safetensors.safe_open = Counted
+    try:
+        path = recipe(Path(root), out, {"pretrained": os.path.join(root, folder_name)})
+        cfg = load_config(path, ["dist.shard=full", "train.epochs=1"])
+        with built(cfg, ctx) as trainer:
+            weights = whole(trainer.model)
+    finally:
+        safetensors.safe_open = real
+    return {"read": read[0], "opened": opened, "weights": weights}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_sharded_safetensors_folder_loads_under_full_sharding_each_rank_reading_its_rows(
+    folder, tmp_path, world_size
+):
+    """save_pretrained with a small max_shard_size writes several files and an index; under
+    dist.shard=full every rank reads its rows of every tensor only: what the ranks read sums to
+    the folder's bytes, each rank about 1/world of them (torch.chunk's uneven rows), none the
+    whole; the weights are the folder's."""
+    root, _ = folder
+    saved = save_tiny(root / "sharded", seed=1, max_shard_size="20KB")
+    names = os.listdir(root / "sharded")
+    assert "model.safetensors.index.json" in names and sum(n.endswith(".safetensors") for n in names) >= 3
+    total = sum(v.numel() * v.element_size() for k, v in saved.items() if k != "lm_head.weight")  # tied: once
+    got = run_ranks(_read_counted, world_size, str(root), str(tmp_path / "run"), "sharded", timeout=300)
+    reads = [g["read"] for g in got]
+    assert sum(reads) == total, reads
+    for r in reads:
+        assert r < total / world_size * 1.1, (reads, total)
+    assert all(g["opened"] for g in got)
+    for k, v in saved.items():
+        torch.testing.assert_close(got[0]["weights"][f"hf.{k}"], v, rtol=0, atol=0, msg=k)
+
+
+# ---- built from a config -----------------------------------------------------------------------
+def test_built_from_a_config_it_initialises_as_transformers_does_in_every_shard_mode(folder, tmp_path, world_size_1):
+    """The weights have transformers' initialisation (normal(0, initializer_range) matrices, unit
+    norms), also when materialised shard by shard; its blocks are the decoder layers, each one
+    sharded by FSDP2 under dist.shard=full; the embedding stays tied."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    root, _ = folder
+    ctx = distlib.init("gloo")
+    config = {**TINY, "hidden_size": 64, "intermediate_size": 128, "initializer_range": 0.05}
+    for shard in SHARDS:
+        cfg = load_config(recipe(root, str(tmp_path / shard), {"config": config}), [f"dist.shard={shard}"])
+        with built(cfg, ctx) as trainer:
+            model = trainer.model
+            w = whole(model)
+            blocks = list(model.blocks)
+            assert len(blocks) == 2 and all(isinstance(b, LlamaDecoderLayer) for b in blocks)
+            assert all(isinstance(b, FSDPModule) for b in blocks) == (shard == "full")
+            assert model.hf.lm_head.weight is model.hf.model.embed_tokens.weight
+        for k, v in w.items():
+            if k.endswith("norm.weight"):
+                assert torch.equal(v, torch.ones_like(v)), (shard, k)
+            elif v.ndim == 2:
+                assert v.std().item() == pytest.approx(0.05, rel=0.15), (shard, k)
+                assert abs(v.mean().item()) < 0.01, (shard, k)
+
+
+def test_the_blocks_come_from_the_recipe_when_it_names_them(folder, tmp_path, world_size_1):
+    """model.block_class names other layers: full sharding wraps those; the model's view of its
+    blocks adds no names to the state dict."""
+    from torch.distributed.fsdp import FSDPModule
+
+    root, _ = folder
+    cfg = load_config(recipe(root, str(tmp_path / "r"), {"config": TINY}), ["dist.shard=full",
+                      "model.block_class=LlamaMLP"])  # fmt: skip
+    with built(cfg, distlib.init("gloo")) as trainer:
+        hf = trainer.model.hf
+        assert [isinstance(layer.mlp, FSDPModule) for layer in hf.model.layers] == [True, True]
+        assert not any(isinstance(layer, FSDPModule) for layer in hf.model.layers)
+        assert all(not k.startswith("blocks") for k in trainer.model.state_dict())
+
+
+COMPILED = [
+    ["train.compile=blocks"],
+    ["train.compile=model"],
+    ["train.activation_checkpointing=full"],
+    ["train.compile=blocks", "dist.shard=full", "train.activation_checkpointing=selective"],
+]
+
+
+def test_compiled_per_block_or_whole_and_checkpointed_it_trains_as_eager(folder, tmp_path, world_size_1):
+    """train.compile (per decoder layer, or the whole model; aot_eager: dynamo's graphs without
+    code generation) and activation checkpointing, replicated and fully sharded: the losses of
+    the eager run (1e-5 relative)."""
+    root, _ = folder
+    ctx = distlib.init("gloo")
+    losses = []
+    for i, extra in enumerate([[], *COMPILED]):
+        cfg = load_config(recipe(root, str(tmp_path / str(i)), {"config": TINY}),
+                          ["train.compile_backend=aot_eager", *extra])  # fmt: skip
+        with group_kept(), built(cfg, ctx) as trainer:
+            layers = list(trainer.model.hf.model.layers)
+            compiled = [getattr(m, "_compiled_call_impl", None) is not None for m in layers]
+            assert compiled == [("train.compile=blocks" in extra)] * 2, extra  # each decoder layer, in place
+            checkpointed = ["Checkpointed" in type(m).__name__ for m in layers]
+            assert checkpointed == [any("checkpointing" in e for e in extra)] * 2, extra
+            trainer.step_fn = step = FirstBatch(trainer.step_fn)
+            assert trainer.fit() == 0
+        losses.append(step.losses)
+    for extra, got in zip(COMPILED, losses[1:]):
+        assert got == pytest.approx(losses[0], rel=1e-5), extra
+
+
+def test_flops_per_token_count_the_matrix_products_as_the_gpt_does():
+    """6 per weight of a matrix product (the output layer counted once when tied; an untied input
+    embedding is a lookup, not counted) plus 12 * layers * heads * head_dim * seq_len."""
+    from distlib.runner.hf_causal_lm import hf_causal_lm
+
+    def by_hand(m, tied: bool) -> int:
+        n = sum(p.numel() for p in m.parameters())
+        if not tied:
+            n -= m.hf.model.embed_tokens.weight.numel()
+        return 6 * n + 12 * 2 * 4 * 8 * 100
+
+    tied = hf_causal_lm(config=TINY)
+    untied = hf_causal_lm(config={**TINY, "tie_word_embeddings": False})
+    assert tied.flops_per_token(100) == by_hand(tied, True)
+    assert untied.flops_per_token(100) == by_hand(untied, False)
+    assert untied.num_params() - tied.num_params() == 256 * 32
+    assert tied.num_params(embeddings=False) == tied.num_params()
+
+
+# ---- checkpoints and resume --------------------------------------------------------------------
+def _two_epochs(ctx, root: str, out: str, shard: str) -> list[dict]:
+    from pathlib import Path
+
+    args = {"pretrained": os.path.join(root, "tiny")}
+    cfg = load_config(recipe(Path(root), out, args, epochs=2), [f"dist.shard={shard}", "run.checkpoint_every=1"])
+    with built(cfg, ctx) as trainer:
+        assert trainer.fit() == 0
+    return metrics(out) if ctx.is_main else []
+
+
+@pytest.mark.parametrize("shard", ["none", "full"])
+def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one(folder, tmp_path, shard):
+    """Two epochs at two ranks from the pretrained folder; then the last checkpoint is removed and
+    the run started again: it resumes after epoch 1 (the checkpoint's weights, not the folder's)
+    and its second epoch's row equals the uninterrupted run's."""
+    root, _ = folder
+    out = str(tmp_path / "run")
+    ref = run_ranks(_two_epochs, 2, str(root), out, shard, timeout=300)[0]
+    checkpoints = os.path.join(out, "checkpoints")
+    saved = sorted(os.listdir(checkpoints))
+    assert len(saved) == 2
+    newest = os.path.join(checkpoints, saved[-1])
+    shutil.rmtree(newest) if os.path.isdir(newest) else os.unlink(newest)
+    again = run_ranks(_two_epochs, 2, str(root), out, shard, timeout=300)[0]
+    keys = ("epoch", "train_loss", "val_loss")
+    assert [{k: r[k] for k in keys} for r in again] == [{k: r[k] for k in keys} for r in ref]
+    assert ref[-1]["val_loss"] < ref[0]["val_loss"] or ref[-1]["train_loss"] < ref[0]["train_loss"]
+
+
+# ---- mistakes, at load time --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        ({}, ["exactly one of config", "pretrained"]),
+        ({"config": TINY, "pretrained": "x"}, ["exactly one of config"]),
+        ({"config": {"hidden_size": 8}}, ["needs model_type"]),
+        ({"config": {"model_type": "lama"}}, ["'lama'", "did you mean 'llama'"]),
+        ({"config": {**TINY, "hiden_size": 8}}, ["model.args.config.hiden_size", "did you mean 'hidden_size'"]),
+        ({"pretrained": "/no/such/folder"}, ["model.args.pretrained", "no config.json"]),
+        ({"config": TINY, "n_layer": 2}, ["takes no argument 'n_layer'"]),
+    ],
+)
+def test_a_mistake_in_the_model_args_is_a_config_error_at_load_time(tmp_path, folder, args, names):
+    root, _ = folder
+    with pytest.raises(ConfigError) as e:
+        load_config(recipe(root, str(tmp_path / "r"), args))
+    assert len(e.value.problems) == 1, e.value.problems
+    for name in names:
+        assert name in e.value.problems[0], e.value.problems[0]
+
+
+def test_a_folder_without_weights_and_a_missing_extra_are_config_errors(tmp_path, folder, monkeypatch):
+    root, _ = folder
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shutil.copy(root / "tiny" / "config.json", empty / "config.json")
+    with pytest.raises(ConfigError, match="neither model.safetensors nor model.safetensors.index.json"):
+        load_config(recipe(root, str(tmp_path / "r"), {"pretrained": str(empty)}))
+    import builtins
+
+    real_import = builtins.__import__
+
+    def without_transformers(name, *args, **kwargs):
+        if name == "transformers" or name.startswith("transformers."):
+            raise ImportError("No module named 'transformers'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_transformers)
+    with pytest.raises(ConfigError, match=r"pip install 'distlib\[hf\]'"):
+        load_config(recipe(root, str(tmp_path / "r"), {"config": TINY}))
+
+
+def test_the_weights_of_another_model_are_an_error_naming_the_tensors(tmp_path, folder, world_size_1):
+    from distlib.runner.safetensors_folder import SafetensorsError
+
+    root, _ = folder
+    other = tmp_path / "other"
+    save_tiny(other, num_hidden_layers=1)
+    config = json.loads((other / "config.json").read_text())
+    config["num_hidden_layers"] = 2
+    (other / "config.json").write_text(json.dumps(config))
+    cfg = load_config(recipe(root, str(tmp_path / "r"), {"pretrained": str(other)}))
+    with pytest.raises(SafetensorsError, match=r"missing 9 tensor\(s\): model.layers.1"):
+        with built(cfg, distlib.init("gloo")):
+            pass
+
+
+def test_token_files_need_the_vocabulary_in_the_config_and_take_a_pretrained_folders(tmp_path, folder):
+    """With data.name=token_file the tokens' vocabulary is the model's to say: a config without
+    vocab_size is refused (the config class's default belongs to some other model); a pretrained
+    folder's config.json gives it, and the token files are checked against it."""
+    from distlib.runner.tasks import recipe_vocab_size
+
+    root, _ = folder
+    tokens = ["data.name=token_file", f"data.root={os.path.join(ROOT, 'data', 'shakespeare-demo', 'tokens')}",
+              "data.args.val_frac=null"]  # fmt: skip
+    config = {k: v for k, v in TINY.items() if k != "vocab_size"}
+    with pytest.raises(ConfigError) as e:
+        load_config(recipe(root, str(tmp_path / "r"), {"config": config}), tokens)
+    assert e.value.problems == [
+        "model.args.config.vocab_size: needed with data.name=token_file (the tokenizer's vocabulary size; "
+        "the config class's default is some other model's)"
+    ]
+    cfg = load_config(recipe(root, str(tmp_path / "r"), {"pretrained": str(root / "tiny")}), tokens)
+    assert recipe_vocab_size(cfg) == 256
