@@ -97,16 +97,6 @@ def _gpu_index(info: EnvInfo, n_gpus: int, gpus_per_process: int, env: Mapping[s
 
 
 _CONTEXT: Context | None = None
-_BEFORE_SHUTDOWN: list[Callable[[], None]] = []
-
-
-def before_shutdown(hook: Callable[[], None]) -> Callable[[], None]:
-    """Register ``hook`` to run at the start of every ``shutdown()``, while the process group still
-    exists: the modules above this one (CUDA graphs, asynchronous checkpoints) release or finish
-    what would outlive the group, without this module importing them. Returns ``hook``."""
-    if hook not in _BEFORE_SHUTDOWN:
-        _BEFORE_SHUTDOWN.append(hook)
-    return hook
 
 
 _timeout_s = 300.0  # init()'s collective timeout, also the bound of shutdown()'s barrier
@@ -256,7 +246,8 @@ def on_shutdown(method: Callable[[bool], None]) -> None:
     ``together`` is True when every rank shuts down cleanly (no exception propagating): the method
     may then run collectives, which every rank reaches in the same order as every rank registered
     the same objects in the same order. False after a failure: local work only (a peer may be gone).
-    ShardedCheckpointer registers itself here, to commit a save still in flight.
+    The modules above this one register here instead of being imported by it: ShardedCheckpointer and
+    Checkpointer (to commit a save still in flight), CapturedStep (to release its graph first).
     """
     global _atexit_registered
     _SHUTDOWN_HOOKS[:] = [h for h in _SHUTDOWN_HOOKS if h() is not None]
@@ -320,8 +311,6 @@ def _teardown(*, barrier: bool, together: bool) -> None:
     global _CONTEXT
     hook_failures = _run_shutdown_hooks(together)  # before anything is torn down: a commit is a collective
     _CONTEXT = None
-    for hook in list(_BEFORE_SHUTDOWN):  # e.g. cuda_graph's release_graphs, registered when it is imported
-        hook()
     failure = None
     if dist.is_available() and dist.is_initialized():
         if barrier:

@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import gc
 import sys
-import weakref
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlib.distributed import collectives
-from distlib.distributed.process_group import before_shutdown
+from distlib.distributed import collectives, process_group
 from distlib.errors import DistlibError
 from distlib.log import get_logger
 from distlib.parallel.grad_sync import GradSync
-
-_LIVE: weakref.WeakSet[CapturedStep] = weakref.WeakSet()
 
 
 class CaptureUnsupported(DistlibError, RuntimeError):
@@ -113,7 +109,8 @@ class CapturedStep:
         self._lr_values: list[float] = []
         self._side = torch.cuda.Stream(device)
         self._warned = False
-        _LIVE.add(self)
+        # a live graph holding NCCL work makes ncclCommDestroy wait forever: released before the group goes
+        process_group.on_shutdown(self._at_shutdown)
 
     # ---- the eager step --------------------------------------------------------------
     def _eager(self, inputs: list[torch.Tensor]) -> torch.Tensor:
@@ -238,15 +235,10 @@ class CapturedStep:
             self._graph.reset()
             self._graph = None
             self._static_loss = None
-        _LIVE.discard(self)
 
-
-@before_shutdown  # a live graph holding NCCL work makes ncclCommDestroy wait forever
-def release_graphs() -> None:
-    """Close every live CapturedStep. ``distlib.shutdown()`` calls it before destroying the group."""
-    for step in list(_LIVE):
-        step.close()
-        _LIVE.discard(step)
+    def _at_shutdown(self, together: bool) -> None:
+        """``distlib.shutdown()`` closes a step still live, before it destroys the group."""
+        self.close()
 
 
 def build_train_step(

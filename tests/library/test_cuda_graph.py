@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import distlib
+from distlib.distributed import process_group
 from distlib.step import cuda_graph
 from distlib.step.cuda_graph import CapturedStep, CaptureUnsupported, build_train_step, capture_problem
 
@@ -56,6 +57,9 @@ class _FakeGraph:
 
     def __init__(self):
         self.group_alive_at_close: bool | None = None
+        process_group.on_shutdown(self._at_shutdown)  # what CapturedStep registers
+
+    _at_shutdown = cuda_graph.CapturedStep._at_shutdown
 
     def close(self):
         import torch.distributed as dist
@@ -67,7 +71,6 @@ def _release_order(ctx):
     import torch.distributed as dist
 
     fake = _FakeGraph()
-    cuda_graph._LIVE.add(fake)
     distlib.shutdown()
     return fake.group_alive_at_close, dist.is_initialized()
 
@@ -79,7 +82,6 @@ def test_shutdown_releases_live_graphs_before_destroying_the_group():
         assert alive_at_close is True, "the graph must be released while the group still exists"
         assert alive_after is False
     fake = _FakeGraph()  # no process group: still released
-    cuda_graph._LIVE.add(fake)
     distlib.shutdown()
     assert fake.group_alive_at_close is False
 
