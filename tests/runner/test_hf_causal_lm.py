@@ -445,3 +445,94 @@ def test_token_files_need_the_vocabulary_in_the_config_and_take_a_pretrained_fol
     ]
     cfg = load_config(recipe(root, str(tmp_path / "r"), {"pretrained": str(root / "tiny")}), tokens)
     assert recipe_vocab_size(cfg) == 256
+
+
+# ---- export ------------------------------------------------------------------------------------
+def _trained(ctx, root: str, out: str, shard: str) -> list[dict]:
+    from pathlib import Path
+
+    args = {"pretrained": os.path.join(root, "tiny")}
+    cfg = load_config(recipe(Path(root), out, args, steps=3), [f"dist.shard={shard}"])
+    with built(cfg, ctx) as trainer:
+        assert trainer.fit() == 0
+    return metrics(out) if ctx.is_main else []
+
+
+def _val_loss(model, root) -> float:
+    """The validation loss over every window once, as the run evaluates it (world size 1)."""
+    import torch.nn.functional as F
+
+    from distlib.runner.text_data import eval_windows, load_byte_text
+
+    data = load_byte_text(str(root / "text.txt"), block_size=BLOCK, val_frac=0.1)
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for x, y in eval_windows(data.val, BLOCK, 0, 1, batch_size=4, device=torch.device("cpu")):
+            logits = model(input_ids=x.long()).logits
+            total += F.cross_entropy(logits.flatten(0, 1).float(), y.long().flatten(), reduction="sum").item()
+            n += y.numel()
+    return total / n
+
+
+@pytest.mark.parametrize("shard", ["none", "full"])
+def test_an_exported_run_loads_with_from_pretrained_and_gives_its_validation_loss(folder, tmp_path, shard):
+    """A run at two ranks (its checkpoint replicated or DCP-sharded), exported in fp32: transformers'
+    from_pretrained loads the folder (config.json, one model.safetensors, the tied embedding stored
+    once) with the checkpoint's weights exactly, and its validation loss is the run's final one; a
+    bf16 export holds the same weights rounded to bf16."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from distlib.runner.export import export, model_state
+
+    root, _ = folder
+    out = str(tmp_path / "run")
+    rows = run_ranks(_trained, 2, str(root), out, shard, timeout=300)[0]
+    done = export(out, str(tmp_path / "fp32"), "fp32")
+    assert done["files"] == ["config.json", "model.safetensors"]
+    with safe_open(str(tmp_path / "fp32" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp32"))
+    assert model.dtype == torch.float32 and model.lm_head.weight is model.model.embed_tokens.weight
+    _, state, _ = model_state(out, torch.float32)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, state[f"hf.{k}"], rtol=0, atol=0, msg=k)
+    saved = save_tiny(tmp_path / "unused")  # the folder's own weights: training moved them
+    assert not torch.equal(model.model.norm.weight, saved["model.norm.weight"])
+    assert _val_loss(model, root) == pytest.approx(rows[-1]["val_loss"], rel=1e-4)
+
+    export(out, str(tmp_path / "bf16"), "bf16")
+    half = AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"), dtype="auto")
+    assert half.dtype == torch.bfloat16
+    for k, v in half.state_dict().items():
+        torch.testing.assert_close(v, state[f"hf.{k}"].to(torch.bfloat16), rtol=0, atol=0, msg=k)
+
+
+def test_the_gpt_exports_as_safetensors_and_its_config_and_other_models_are_refused(tmp_path, world_size_1):
+    """The built-in GPT: model.safetensors (the tied output layer once) and config.json, which
+    load_gpt builds back with the run's weights; a model by import path is an error naming what
+    to use instead, and so is a folder that is no run (exit status 2 from the command line)."""
+    from distlib.runner.export import ExportError, export, load_gpt, main, model_state
+
+    out = str(tmp_path / "gpt")
+    cfg = load_config(os.path.join(ROOT, "recipes", "gpt_demo.yaml"),
+                      ["train.epochs=1", "data.train_subset=64", "model.args.n_layer=1", "model.args.n_embd=32",
+                       "model.args.n_head=2", "train.batch_size=8", "train.sample_tokens=0", "run.progress=plain",
+                       f"run.out_dir={out}"])  # fmt: skip
+    with built(cfg, distlib.init("gloo")) as trainer:
+        assert trainer.fit() == 0
+    assert main([out, str(tmp_path / "exported"), "--dtype", "fp32"]) == 0
+    model = load_gpt(str(tmp_path / "exported"))
+    _, state, _ = model_state(out, torch.float32)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, state[k], rtol=0, atol=0, msg=k)
+    assert model.lm_head.weight is model.wte.weight and model.cfg.vocab_size == 256
+
+    with open(os.path.join(out, "config.yaml")) as f:
+        text = f.read().replace("name: gpt", "name: examples.own_model.spirals:MLP", 1)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.yaml").write_text(text)
+    with pytest.raises(ExportError, match="python -m distlib.checkpoint.sharded"):
+        export(str(other), str(tmp_path / "x"))
+    assert main([str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
