@@ -35,6 +35,10 @@
 #                bench/baselines/ddp_cifar.py                                     ("Time to accuracy")
 #   shakespeare  bench/recipes.py on recipes/gpt_shakespeare.yaml, with bench/baselines/gpt_ddp.py on
 #                the same text, model, batch and schedule                         ("GPT recipe")
+#   llama        recipes/llama_1b.yaml on one GPU (LLAMA_STEPS steps, default 60, of 8 x 2048 random tokens
+#                of its vocabulary from TOKENS, made once if missing; LLAMA_ARGS adds overrides), with
+#                bench/baselines/hf_loop.py (a plain transformers loop, compiled and eager) on the same
+#                model and batch                                                  ("Hugging Face Llama")
 #
 # Env: OUT (logs and JSON, default .bench/out), NPROC (processes, default every GPU), CIFAR (default
 # .bench/cifar10-jpeg.tar.gz), TEXT (default data/shakespeare.txt.gz, where the recipe reads it),
@@ -169,6 +173,17 @@ for suite in "$@"; do
         run shakespeare_baseline $TORCHRUN bench/baselines/gpt_ddp.py --data "$TEXT" \
             ${GPT_BASELINE_ARGS:-$SHAKESPEARE_RECIPE}
         ;;
+    llama)
+        TOKENS=${TOKENS:-$OUT/llama_tokens.bin}  # headerless uint32 token ids below Llama 3's 128256
+        [ -f "$TOKENS" ] || $PY -c "import numpy as np, sys
+np.random.default_rng(0).integers(0, 128256, 4_000_000, dtype=np.uint32).tofile(sys.argv[1])" "$TOKENS"
+        # shellcheck disable=SC2086  # LLAMA_ARGS are words
+        run llama_recipe $PY launch.py recipes/llama_1b.yaml data.root="$TOKENS" data.args.dtype=uint32 \
+            data.args.val_frac=0.005 train.max_steps="${LLAMA_STEPS:-60}" run.out_dir="$OUT/llama_1b" \
+            run.resume=false run.progress=plain ${LLAMA_ARGS:-}
+        run llama_baseline $PY bench/baselines/hf_loop.py
+        run llama_baseline_eager $PY bench/baselines/hf_loop.py --no-compile
+        ;;
     *)
         echo "unknown suite $suite (bash bench/run.sh --help)" | tee -a "$STATUS"
         ;;
@@ -177,7 +192,7 @@ done
 
 # each command's own table, then the status of every command
 for name in tests step step_broadcast-buffers step_no-broadcast-buffers compile_startup allreduce fallback cifar \
-    shakespeare checkpoint_single checkpoint_fsdp scale_report; do show "$name" 30; done
+    shakespeare llama_recipe checkpoint_single checkpoint_fsdp scale_report; do show "$name" 30; done
 for log in "$OUT"/gpt_*.log "$OUT"/sharding_*.log; do
     case $log in *baseline*) ;; *) [ -f "$log" ] && show "$(basename "$log" .log)" 14 ;; esac
 done
