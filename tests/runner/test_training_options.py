@@ -77,7 +77,7 @@ def test_compile_trains_through_the_compiled_model(tmp_path, baseline, monkeypat
         return gm.forward
 
     original = distlib.compile_for_sync
-    monkeypatch.setattr(distlib, "compile_for_sync", lambda model, sync: original(model, sync, backend=fx_backend))
+    monkeypatch.setattr(distlib, "compile_for_sync", lambda model, sync, **_: original(model, sync, backend=fx_backend))
     try:
         rows = run(tmp_path, "compiled", "train.compile=true")
     finally:
