@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,7 +97,9 @@ def _sharded_tensors(path: str, name: str, dtype: torch.dtype) -> Iterator[tuple
         group[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         size += group[key].nbytes
         if size >= GROUP_BYTES or i == len(entries) - 1:
-            dcp.load(group, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+            with warnings.catch_warnings():  # that it reads in one process is what is meant
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(group, storage_reader=dcp.FileSystemReader(path), no_dist=True)
             for k, t in group.items():
                 yield k[len(prefix) :], t.to(dtype) if t.is_floating_point() else t
             group, size = {}, 0
