@@ -66,7 +66,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--size", default="1.5B", help="GPT of the runner and anchors: a name or LAYERSxWIDTH")
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=16, help="sequences a step")
+    p.add_argument("--batch", type=int, default=16, help="sequences a step per GPU")
+    p.add_argument("--nproc", type=int, default=1, help="GPUs (one process each) of the runner part")
     p.add_argument("--steps", type=int, default=40, help="training steps of each runner run")
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--ac-size", default="6.7B")
@@ -115,7 +116,7 @@ def token_file(args: argparse.Namespace, directory: str) -> str:
 
     from distlib.runner.token_file import write_token_file
 
-    n = (args.steps * args.batch + 4) * args.seq_len + 1
+    n = (args.steps * args.batch * args.nproc + 4) * args.seq_len + 1
     n_val = 2 * args.seq_len + 1
     tokens = np.random.default_rng(0).integers(0, args.vocab, n + n_val, dtype=np.int64)
     path = os.path.join(directory, "tokens.bin")
@@ -126,18 +127,19 @@ def token_file(args: argparse.Namespace, directory: str) -> str:
 def runner_command(args: argparse.Namespace, shard: str, data: str, out: str, cache: str) -> list[str]:
     layers, heads, width = parse_size(args.size)
     n_val = 2 * args.seq_len + 1
-    total = (args.steps * args.batch + 4) * args.seq_len + 1 + n_val
+    total = (args.steps * args.batch * args.nproc + 4) * args.seq_len + 1 + n_val
     overrides = [
         "data.name=token_file", f"data.root={data}", "data.train_subset=0", f"data.args.block_size={args.seq_len}",
         f"data.args.val_frac={n_val / total:.6f}",
         f"model.args.vocab_size={args.vocab}", f"model.args.n_layer={layers}", f"model.args.n_head={heads}",
         f"model.args.n_embd={width}", "model.args.dropout=0.0",
-        f"train.batch_size={args.batch}", "train.epochs=1", "train.precision=bf16", "train.sample_tokens=0",
+        f"train.batch_size={args.batch * args.nproc}", "train.epochs=1", "train.precision=bf16",
+        "train.sample_tokens=0",
         "train.compile=blocks", f"train.compile_backend={args.compile_backend}", "train.prewarm_steps=3",
         f"dist.shard={shard}", f"run.out_dir={out}", "run.resume=false", f"run.compile_cache_dir={cache}",
         "run.progress=plain",
     ]  # fmt: skip
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
     return [*torchrun, os.path.join(ROOT, "launch.py"), os.path.join(ROOT, "recipes", "gpt_tokens_demo.yaml"),
             *overrides]  # fmt: skip
 
