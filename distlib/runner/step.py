@@ -33,7 +33,7 @@ from torch import nn
 import distlib
 from distlib.distributed.process_group import Context, EnvError
 from distlib.parallel.comm_fallback import Replicas, node_devices
-from distlib.runner.compilation import apply_block_settings
+from distlib.runner.compilation import apply_block_settings, compiled_loss
 from distlib.runner.config import Config, ConfigError
 from distlib.runner.losses import cross_entropy
 from distlib.runner.optimizer_step import OptimizerSpec, OptimizerStep, autocast_dtype
@@ -196,6 +196,7 @@ def build_step(
                             post_step=post_step)  # fmt: skip
 
     whole = apply_block_settings(cfg, model)  # checkpointing and per-block compile, in place
+    loss_fn = compiled_loss(cfg, loss_fn)
     if shard == "full":
         sync = distlib.FSDPSync(model)
         # FSDP2's mixed precision (shard_model's param_dtype) replaces autocast: the weights are

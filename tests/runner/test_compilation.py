@@ -218,3 +218,20 @@ def test_the_gpt_demo_compiled_per_block_trains_on_one_gpu(tmp_path, shard, over
     rows = metrics(out)
     assert rows[-1]["val_loss"] < rows[0]["val_loss"] and rows[0]["val_loss"] < 3.5, rows
     assert os.listdir(tmp_path / "cache")  # inductor's caches went where the recipe said
+
+
+def test_the_loss_is_compiled_with_the_model_and_gives_the_eager_loss_and_gradient():
+    from distlib.runner.compilation import compiled_loss
+    from distlib.runner.losses import cross_entropy
+
+    assert compiled_loss(load_config(DEMO, ["train.compile=none"]), cross_entropy) is cross_entropy
+    fn = compiled_loss(load_config(DEMO, [AOT, "train.compile=blocks"]), cross_entropy)
+    assert fn is not cross_entropy
+    logits = torch.randn(2, 5, 11, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 11, (2, 5))
+    want = cross_entropy(logits, targets)
+    (want_grad,) = torch.autograd.grad(want, logits)
+    got = fn(logits, targets)
+    (got_grad,) = torch.autograd.grad(got, logits)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=0)
