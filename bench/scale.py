@@ -40,6 +40,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from distlib.runner.gpt import GPT
 
 if __package__ in (None, ""):  # run as `python bench/scale.py`: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -107,6 +113,24 @@ def _sync(device: str) -> None:
 
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def _timed_step(
+    model: GPT, opt: torch.optim.Optimizer, x: torch.Tensor, autocast: torch.autocast, device: str
+) -> float:
+    """Seconds of one training step of the GPT on the tokens ``x`` (next-token cross-entropy on ``x``
+    itself, under ``autocast``), the device synchronised on both sides."""
+    import torch.nn.functional as F
+
+    _sync(device)
+    t = time.perf_counter()
+    with autocast:
+        loss = F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    _sync(device)
+    return time.perf_counter() - t
 
 
 # ---- the runner --------------------------------------------------------------------------------------
@@ -192,7 +216,6 @@ def run_runner(args: argparse.Namespace, base: str, rows: list[dict]) -> None:
 # ---- the anchors -----------------------------------------------------------------------------------
 def run_anchors(args: argparse.Namespace, base: str, rows: list[dict]) -> None:
     import torch
-    import torch.nn.functional as F
 
     import distlib
     from distlib.runner.gpt import GPT, GPTConfig
@@ -211,15 +234,7 @@ def run_anchors(args: argparse.Namespace, base: str, rows: list[dict]) -> None:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.device == "cuda")
 
     def step() -> float:
-        _sync(args.device)
-        t = time.perf_counter()
-        with autocast:
-            loss = F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _sync(args.device)
-        return time.perf_counter() - t
+        return _timed_step(model, opt, x, autocast, args.device)
 
     for _ in range(2):
         step()  # the optimizer state exists, the kernels are chosen
@@ -275,7 +290,6 @@ def ac_probe(args: argparse.Namespace, mode: str, batch: int) -> int:
     """Two training steps of ``--ac-size`` at ``batch`` × ``--ac-seq-len`` with ``mode``: prints a JSON
     result line; exit status 3 when out of memory."""
     import torch
-    import torch.nn.functional as F
 
     import distlib
     from distlib.runner.gpt import GPT, GPTConfig
@@ -293,17 +307,7 @@ def ac_probe(args: argparse.Namespace, mode: str, batch: int) -> int:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
         x = torch.randint(0, args.vocab, (batch, args.ac_seq_len), device=device)
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.device == "cuda")
-        times = []
-        for _ in range(3 if args.ac_compile else 2):
-            _sync(args.device)
-            t = time.perf_counter()
-            with autocast:
-                loss = F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            _sync(args.device)
-            times.append(time.perf_counter() - t)
+        times = [_timed_step(model, opt, x, autocast, args.device) for _ in range(3 if args.ac_compile else 2)]
     except torch.OutOfMemoryError:
         print(json.dumps({"oom": True}), flush=True)
         return 3
