@@ -39,6 +39,11 @@
 #                of its vocabulary from TOKENS, made once if missing; LLAMA_ARGS adds overrides), with
 #                bench/baselines/hf_loop.py (a plain transformers loop, compiled and eager) on the same
 #                model and batch                                                  ("Hugging Face Llama")
+#   hfio         a Llama-3.2-1B-shaped Hugging Face folder (bf16, save_pretrained) loaded by the runner
+#                (Trainer.build_model and launch.py's model stage, from a cold page cache) and a one-step
+#                run's checkpoint exported back (python -m distlib.runner.export), replicated and with
+#                dist.shard=optimizer, against the disk's cold read and fsynced write of the same bytes;
+#                one command per shard mode (bench/hf_io.py; HFIO_ARGS adds arguments) ("Hugging Face Llama")
 #
 # Env: OUT (logs and JSON, default .bench/out), NPROC (processes, default every GPU), CIFAR (default
 # .bench/cifar10-jpeg.tar.gz), TEXT (default data/shakespeare.txt.gz, where the recipe reads it),
@@ -184,6 +189,14 @@ np.random.default_rng(0).integers(0, 128256, 4_000_000, dtype=np.uint32).tofile(
         run llama_baseline $PY bench/baselines/hf_loop.py
         run llama_baseline_eager $PY bench/baselines/hf_loop.py --no-compile
         ;;
+    hfio)
+        rm -f "$OUT/hf_io.jsonl"
+        # shellcheck disable=SC2086  # HFIO_ARGS are words
+        run hfio $PY -m bench.hf_io --json "$OUT/hf_io.jsonl" ${HFIO_ARGS:-}
+        # shellcheck disable=SC2086
+        run hfio_optimizer $PY -m bench.hf_io --shard optimizer --reuse --json "$OUT/hf_io.jsonl" ${HFIO_ARGS:-}
+        run hfio_report $PY -m bench.hf_io --report "$OUT/hf_io.jsonl"
+        ;;
     *)
         echo "unknown suite $suite (bash bench/run.sh --help)" | tee -a "$STATUS"
         ;;
@@ -192,7 +205,7 @@ done
 
 # each command's own table, then the status of every command
 for name in tests step step_broadcast-buffers step_no-broadcast-buffers compile_startup allreduce fallback cifar \
-    shakespeare llama_recipe checkpoint_single checkpoint_fsdp scale_report; do show "$name" 30; done
+    shakespeare llama_recipe checkpoint_single checkpoint_fsdp scale_report hfio_report; do show "$name" 30; done
 for log in "$OUT"/gpt_*.log "$OUT"/sharding_*.log; do
     case $log in *baseline*) ;; *) [ -f "$log" ] && show "$(basename "$log" .log)" 14 ;; esac
 done

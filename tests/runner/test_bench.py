@@ -355,3 +355,98 @@ def test_scale_runs_tiny_on_the_cpu_through_the_runner(tmp_path):
     report = subprocess.run([sys.executable, "-m", "bench.scale", f"--report={out}"], cwd=ROOT, capture_output=True,
                             text=True)  # fmt: skip
     assert report.returncode == 0 and "| optimizer | cold |" in report.stdout
+
+
+# ---- bench.hf_io ---------------------------------------------------------------------------------
+def test_hf_io_parses_tiny_and_tables_each_figure_against_its_disk_time():
+    from bench import hf_io
+
+    args = hf_io.parse_args(["--tiny"])
+    assert (args.device, args.seq_len, args.repeats, args.shard) == ("cpu", 32, 2, "none")
+    assert args.dir.endswith(os.path.join(".bench", "hf-tiny-bf16")) and os.path.isabs(args.dir)
+    default = hf_io.parse_args(["--dtype=fp32"])
+    assert default.device == "cuda" and default.dir.endswith("hf-llama-1b-fp32")
+    for bad in (["--shard=zero3"], ["--repeats=0"]):
+        with pytest.raises(SystemExit):
+            hf_io.parse_args(bad)
+    config = hf_io.llama_config(tiny=False)  # the recipe's model
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (2048, 16, 8)
+    assert (config["vocab_size"], config["tie_word_embeddings"]) == (128256, True)
+    gb = 2_500_000_000
+    rows = [
+        {"part": "folder", "model": "llama-3.2-1b shape", "dtype": "bf16", "bytes": gb, "disk_read_s": 1.0,
+         "disk_write_s": 2.0, "save_pretrained_fsync_s": 5.0},
+        {"part": "load", "mode": "build_model", "shard": "none", "bytes": gb, "s": 1.5, "read_s": 1.1, "disk_s": 1.0},
+        {"part": "load", "mode": "launch.py", "shard": "full", "bytes": gb, "rc": 0, "s": 3.0, "checkpoint_s": 25.2,
+         "disk_s": 1.0},
+        {"part": "export", "mode": "export()", "shard": "none", "bytes": gb, "checkpoint_bytes": 14_800_000_000,
+         "disk_s": 2.0, "disk_read_checkpoint_s": 6.0, "s": 12.0, "no_fsync_s": 10.0},
+        {"part": "export", "mode": "command", "shard": "none", "rc": 2, "note": "boom"},
+    ]  # fmt: skip
+    text = hf_io.table(rows)
+    row = {line.split(" | ")[0]: line for line in text.splitlines()}  # by the operation's words
+    assert row["| disk: read the folder's files, cold (llama-3.2-1b shape bf16)"].endswith(
+        "| 2.50 | 1.00 | 2.50 | | | |")  # fmt: skip
+    assert row["| save_pretrained + fsync (making the folder)"].endswith(
+        "| 5.00 | 0.50 | 2.00 | 1.25 | 2.50x (no target) |")  # fmt: skip
+    assert row["| load: Trainer.build_model, cold (of which the read 1.10 s)"].endswith(
+        "| 2.50 | 1.50 | 1.67 | 1.00 | 2.50 | 1.50x (met) |")  # fmt: skip
+    assert row["| load: launch.py's model stage, cold, dist.shard=full"].endswith(
+        "| 2.50 | 3.00 | 0.83 | 1.00 | 2.50 | 3.00x (**not met**) |")  # fmt: skip
+    assert row["| export: export() + fsync, checkpoint cold, dist.shard=none"].endswith(
+        "| 2.50 | 12.00 | 0.21 | 2.00 | 1.25 | 6.00x (**not met**) |")  # fmt: skip
+    assert "failed: boom" in text and "final checkpoint (dist.shard=full): 25.20 s" in text
+    assert "14.80 GB first: cold disk read 6.00 s; read + write floor 8.00 s, export() + fsync 1.50x that" in text
+
+
+def test_hf_io_disk_anchors_read_and_write_the_bytes_asked(tmp_path, monkeypatch):
+    from bench import hf_io
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.bin").write_bytes(os.urandom(3 << 20))
+    (tmp_path / "a" / "y.json").write_text("{}")
+    files = hf_io.files_under(str(tmp_path / "a"))
+    assert [os.path.basename(f) for f in files] == ["x.bin", "y.json"] and hf_io.size_of(files) == (3 << 20) + 2
+    hf_io.evict(files)  # without root: fsync and fadvise on a file opened read-only
+    assert hf_io.disk_read_s(files) > 0
+    seen, real_fsync = [], os.fsync
+    # the write anchor's file holds every byte asked when it is synced, and is gone after
+    monkeypatch.setattr(os, "fsync", lambda fd: seen.append(os.fstat(fd).st_size) or real_fsync(fd))
+    assert hf_io.disk_write_s(str(tmp_path), hf_io.CHUNK * 2 + 5) > 0
+    monkeypatch.undo()
+    assert seen == [hf_io.CHUNK * 2 + 5] and sorted(os.listdir(tmp_path)) == ["a"]
+
+
+@pytest.mark.slow
+def test_hf_io_runs_tiny_on_the_cpu_through_the_runner_and_export(tmp_path):
+    """The tiny Llama's folder made, loaded by the runner (in process and through launch.py), a
+    one-step run exported back; every figure and its anchor in the rows, the table last."""
+    pytest.importorskip("transformers")
+    from safetensors import safe_open
+
+    out, folder = tmp_path / "hf_io.jsonl", tmp_path / "folder"
+    cmd = [sys.executable, "-m", "bench.hf_io", "--tiny", f"--dir={folder}", f"--json={out}", "--keep"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {(r["part"], r.get("mode")): r for r in map(json.loads, out.read_text().splitlines())}
+    made = rows[("folder", None)]
+    assert made["bytes"] == sum(f.stat().st_size for f in folder.iterdir()) and made["save_pretrained_s"] > 0
+    assert made["disk_read_s"] > 0 and made["disk_write_s"] > 0
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:  # the tied output layer once
+        names = list(f.keys())
+        tensor_bytes = sum(f.get_tensor(k).nbytes for k in names)
+    assert "lm_head.weight" not in names
+    load = rows[("load", "build_model")]
+    assert load["read_bytes"] == tensor_bytes and 0 < load["read_s"] <= load["s"]
+    launched = rows[("load", "launch.py")]
+    assert launched["rc"] == 0 and launched["s"] > 0 and launched["checkpoint_s"] is not None
+    exported, command = rows[("export", "export()")], rows[("export", "command")]
+    assert command["rc"] == 0 and command["s"] >= command["command_s"] > 0
+    assert 0 < exported["no_fsync_s"] <= exported["s"] and exported["disk_s"] > 0
+    assert exported["checkpoint_bytes"] > 2 * exported["bytes"]  # the checkpoint holds AdamW's state too
+    work = proc.stderr.strip().splitlines()[-1].removeprefix("kept ")
+    with safe_open(os.path.join(work, "export", "model.safetensors"), framework="pt") as f:  # the same tensors
+        assert sorted(f.keys()) == sorted(names)
+        assert sum(f.get_tensor(k).nbytes for k in f.keys()) == tensor_bytes
+    assert "| load: Trainer.build_model, cold" in proc.stdout
+    assert "| export: python -m distlib.runner.export" in proc.stdout
