@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from distlib.checkpoint.staging import pinned_empty
 from distlib.distributed import collectives, process_group
 from distlib.errors import DistlibError
 from distlib.log import get_logger
@@ -172,6 +173,19 @@ def _to_cpu(obj: Any) -> Any:
         return {k: _to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _detached(obj: Any) -> Any:
+    """``obj`` with its tensors detached, as they are; a view into a larger storage (a flat buffer's)
+    copied to the host, since torch.save writes a tensor's whole storage."""
+    if isinstance(obj, torch.Tensor):
+        whole = obj.untyped_storage().nbytes() == obj.numel() * obj.element_size()
+        return obj.detach() if whole else obj.detach().to("cpu", copy=True)
+    if isinstance(obj, Mapping):
+        return {k: _detached(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_detached(v) for v in obj)
     return obj
 
 
@@ -349,7 +363,9 @@ class Checkpointer:
                     "record_crc32": _crc32_on(),
                 }
                 if not async_:
-                    payload["state"] = _to_cpu(payload["state"])
+                    # GPU tensors as they are: torch.save copies each to the host as it writes it, so the
+                    # copies and the writes interleave (a copy of everything first would add its time)
+                    payload["state"] = _detached(payload["state"])
                     self._write(payload, path)
                 else:
                     payload["state"] = self._stage(payload["state"], ())
@@ -390,7 +406,7 @@ class Checkpointer:
             t = obj.detach()
             host = self._host.get(key)
             if host is None or host.shape != t.shape or host.dtype != t.dtype:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+                host = pinned_empty(t.shape, t.dtype) if t.is_cuda else torch.empty(t.shape, dtype=t.dtype)
                 if t.is_cuda:
                     self._host[key] = host
             host.copy_(t, non_blocking=t.is_cuda)

@@ -37,6 +37,7 @@ from distlib.reliability.watchdog import Watchdog
 from distlib.runner import components
 from distlib.runner.budget import Budget
 from distlib.runner.checkpoints import build_checkpoints
+from distlib.runner.compilation import load_compiler
 from distlib.runner.config import Config, ConfigError, dump_yaml
 from distlib.runner.environment import bytecode_hint, environment_json
 from distlib.runner.models import count_params, param_groups
@@ -139,6 +140,8 @@ class Trainer:
             torch.backends.cudnn.benchmark = t.cudnn_benchmark
         self.task = build_task(cfg, ctx, self.per_rank, self.timeline)  # its data loaded
         self.loader = self.task.loader
+        if load_compiler(cfg):
+            self.timeline.mark("compiler")  # inductor's imports, before the model's build
         torch.manual_seed(t.seed)  # after the data: a first decode draws from the global generator
         self.model = model = self.build_model()
         # weight averaging: evaluate an EMA of the weights (and BN buffers) when train.ema > 0; the

@@ -386,3 +386,18 @@ def test_an_async_save_holds_the_state_of_its_step_and_is_waited_for(tmp_path, m
     ck.save(objects(model, opt, sched), epoch=2, step=0, global_step=4, fingerprint=fingerprint(model), async_=True)
     with pytest.raises(CheckpointError, match="could not write checkpoint"):
         ck.wait()
+
+
+def test_a_view_into_a_larger_storage_is_saved_at_its_own_size(tmp_path):
+    # parameters living in a flat buffer (the fallback mode's, a sharded optimizer's): torch.save
+    # writes a tensor's whole storage, so the checkpoint must hold the view's elements only
+    flat = torch.zeros(1_000_000)
+    model = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        model.weight.data = flat[:8].view(2, 4)
+        model.weight.copy_(torch.arange(8.0).view(2, 4))
+    ckpt = Checkpointer(str(tmp_path))
+    path = ckpt.save({"model": model}, epoch=1, step=0, global_step=1, fingerprint={})
+    assert os.path.getsize(path) < 100_000  # not the 4 MB flat buffer
+    state = read_verified(path)["state"]["model"]
+    assert torch.equal(state["weight"], torch.arange(8.0).view(2, 4))
