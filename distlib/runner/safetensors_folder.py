@@ -90,6 +90,30 @@ def _targets(module: nn.Module) -> Iterator[tuple[list[str], torch.Tensor]]:
         yield names[key], t
 
 
+def _data_offsets(path: str) -> dict[str, tuple[int, int]]:
+    """Each tensor's byte range in a safetensors file (after its 8-byte length and JSON header)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    base = 8 + n
+    return {k: (base + v["data_offsets"][0], base + v["data_offsets"][1]) for k, v in header.items()
+            if k != "__metadata__"}  # fmt: skip
+
+
+def _read_ahead(path: str, ranges: list[tuple[int, int]]) -> None:
+    """Ask the kernel to read ``ranges`` of ``path`` into the page cache now, in the background: the
+    reads from the memory map then find their pages there instead of faulting them in one by one
+    (half the disk's speed). Where posix_fadvise is missing, the reads fault them in as before."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for start, end in ranges:
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
+
+
 @torch.no_grad()
 def read_into(module: nn.Module, directory: str) -> int:
     """Copy the folder's tensors into ``module``'s parameters and persistent buffers (cast to their
@@ -119,6 +143,9 @@ def read_into(module: nn.Module, directory: str) -> int:
                                f"({'; '.join(parts)})")  # fmt: skip
     read = 0
     for path, entries in plan.items():
+        offsets = _data_offsets(path)
+        entries.sort(key=lambda e: offsets.get(e[0], (0, 0))[0])  # in file order: one sequential read
+        _read_ahead(path, [offsets[n] for n, _ in entries if n in offsets])
         with safetensors.safe_open(path, framework="pt", device="cpu") as f:
             for name, t in entries:
                 part = f.get_slice(name)

@@ -601,3 +601,19 @@ def test_the_llama_demo_on_a_gpu_in_bf16(tmp_path, overrides):
     assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.3, rows
     assert all(0 < r["mfu"] < 1 for r in rows), rows
     print(proc.stderr[-2000:])
+
+
+def test_the_byte_ranges_read_ahead_are_each_tensors_own(tmp_path):
+    from safetensors.torch import save_file
+
+    from distlib.runner.safetensors_folder import _data_offsets
+
+    tensors = {"b": torch.arange(6, dtype=torch.float32), "a": torch.arange(4, dtype=torch.bfloat16).view(2, 2)}
+    path = str(tmp_path / "model.safetensors")
+    save_file(tensors, path)
+    data = open(path, "rb").read()
+    offsets = _data_offsets(path)
+    assert set(offsets) == {"a", "b"}
+    for name, t in tensors.items():
+        start, end = offsets[name]
+        assert data[start:end] == t.contiguous().view(torch.uint8).numpy().tobytes()
