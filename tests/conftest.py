@@ -56,6 +56,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def flip_a_tensor_byte(step_dir: str, file_name: str) -> None:
+    """Flip one byte of a tensor's data in the DCP shard file ``file_name`` of a checkpoint directory:
+    the file's size and every zip and pickle structure intact, the record's CRC-32 no longer."""
+    import io
+    import struct
+    import zipfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(step_dir).read_metadata()
+    items = [info for index, info in metadata.storage_data.items() if info.relative_path == file_name
+             and isinstance(metadata.state_dict_metadata[index.fqn], TensorStorageMetadata)]  # fmt: skip
+    largest = max(items, key=lambda info: info.length)
+    path = os.path.join(step_dir, file_name)
+    data = bytearray(open(path, "rb").read())
+    record = bytes(data[largest.offset : largest.offset + largest.length])
+    with zipfile.ZipFile(io.BytesIO(record)) as z:
+        member = next(i for i in z.infolist() if "/data/" in i.filename)
+    name_len, extra_len = struct.unpack("<HH", record[member.header_offset + 26 : member.header_offset + 30])
+    start = largest.offset + member.header_offset + 30 + name_len + extra_len  # the tensor's bytes
+    data[start + member.file_size // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
 # The fork server imports these once; each rank forks from it with them in place. A rank's test
 # module imports them anyway, except torch._dynamo (1.3 s), which the first optimizer imports;
 # distlib.init() imports torch.distributed.nn.functional, the part of it that matters to

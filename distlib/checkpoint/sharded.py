@@ -368,7 +368,8 @@ class ShardedCheckpointer:
         if not (dist.is_available() and dist.is_initialized()):
             return None  # world size 1 without a process group
         if self._group is None:
-            self._group = dist.new_group(backend="gloo")  # a collective: every rank is in save/resume here
+            # a collective: every rank is in save/resume here; the default group's timeout, not gloo's 30 minutes
+            self._group = dist.new_group(backend="gloo", timeout=collectives._world_timeout())
         return self._group
 
     def _all_gather(self, obj: Any) -> list[Any]:
@@ -544,6 +545,12 @@ class ShardedCheckpointer:
         for old in self.paths()[self.keep :]:
             shutil.rmtree(old, ignore_errors=True)
 
+    def written(self) -> bool:
+        """Whether this rank has finished writing its part of the save in flight (or none is in flight), so
+        that ``wait()`` would not wait for it here. Not a collective: a caller that commits as soon as every
+        rank has written agrees on it with the others first, as the recipe runner does."""
+        return self._pending is None or self._pending[3] is None or not self._pending[3].is_alive()
+
     def close(self) -> None:
         """Commit the save in flight, if any. A collective: every rank must call it, in the same order."""
         self.wait()
@@ -607,52 +614,75 @@ class ShardedCheckpointer:
                     return f"{file}: checksum mismatch (the file is corrupted)"
         return None
 
-    def resume(self, objects: Mapping[str, Any]) -> int | None:
+    def resume(self, objects: Mapping[str, Any], *, fallback: bool = False) -> int | None:
         """Load the newest committed checkpoint into ``objects`` in place; returns its step, or None when
         there is none (a fresh start). Every rank reads the parts of the shards it holds itself.
 
         Partial directories of interrupted saves are deleted first. A collective: every rank must call
         it, in the same order. Raises CheckpointError on every rank when the checkpoint is from another
         model or settings, or a shard file is missing or corrupt (it names the file and the fix).
+        ``fallback``: a damaged checkpoint (its ``commit.json`` unreadable, a file missing, truncated or
+        corrupt) is skipped instead, with a warning on every rank, for the next older one; CheckpointError
+        when none is usable.
         """
         self.wait()
         log = get_logger()
-        found = None
+        paths: list[str] = []
         if collectives.rank() == 0:
             for p in self._partials():
                 log.warning("deleting %s, the partial directory of an interrupted save", p)
                 shutil.rmtree(p, ignore_errors=True)
             paths = self.paths()
-            found = paths[0] if paths else None
-        found = self._all_gather(found)[0]
-        if found is None:
+        paths = self._all_gather(paths)[0]
+        if not paths:
             return None
-        error = None
-        try:
-            marker = self._read_marker(found)
-            diff = differences(
-                marker["fingerprint"], {"tensors": model_fingerprint(objects), "settings": self.settings}
+        skipped = 0
+        for found in paths if fallback else paths[:1]:
+            error, damaged = None, False
+            try:
+                try:
+                    marker = self._read_marker(found)
+                except CheckpointError:
+                    damaged = True
+                    raise
+                diff = differences(
+                    marker["fingerprint"], {"tensors": model_fingerprint(objects), "settings": self.settings}
+                )
+                missing = [n for n in objects if n not in marker["objects"]]
+                if diff:
+                    raise CheckpointError(
+                        f"checkpoint {found} is from another model or settings:\n"
+                        + "\n".join(f"  - {d}" for d in diff)
+                        + f"\nuse another checkpoint directory than {self.directory}, or delete its checkpoints"
+                    )
+                if missing:
+                    raise CheckpointError(
+                        f"checkpoint {found} has no state for {', '.join(missing)} (it holds "
+                        f"{', '.join(marker['objects'])}); save every object you resume"
+                    )
+                problem = self._check_files(found, marker)
+                if problem:
+                    damaged = True
+                    raise CheckpointError(
+                        f"checkpoint {found} is damaged: {problem}; delete {found} to resume from the previous one"
+                    )
+            except CheckpointError as e:
+                error = str(e)
+            # every rank checks its share of the files: all of them skip this checkpoint, or none
+            errors = [(e, d) for e, d in self._all_gather((error, damaged)) if e]
+            if not errors:
+                break
+            if not (fallback and all(d for _, d in errors)):
+                raise CheckpointError(errors[0][0])
+            log.warning("skipping checkpoint: %s", errors[0][0])
+            skipped += 1
+        else:
+            raise CheckpointError(
+                f"none of the {len(paths)} committed checkpoint(s) in {self.directory} is usable (see the warnings "
+                "above); delete or move them away"
             )
-            missing = [n for n in objects if n not in marker["objects"]]
-            if diff:
-                raise CheckpointError(
-                    f"checkpoint {found} is from another model or settings:\n"
-                    + "\n".join(f"  - {d}" for d in diff)
-                    + f"\nuse another checkpoint directory than {self.directory}, or delete its checkpoints"
-                )
-            if missing:
-                raise CheckpointError(
-                    f"checkpoint {found} has no state for {', '.join(missing)} (it holds "
-                    f"{', '.join(marker['objects'])}); save every object you resume"
-                )
-            problem = self._check_files(found, marker)
-            if problem:
-                raise CheckpointError(
-                    f"checkpoint {found} is damaged: {problem}; delete {found} to resume from the previous one"
-                )
-        except CheckpointError as e:
-            error = str(e)
-        self._fail_together(error)
+        if skipped:
+            log.warning("resuming from the older checkpoint %s", found)
         saved = dcp.FileSystemReader(found).read_metadata().state_dict_metadata
         for name, obj in objects.items():
             if isinstance(obj, dict):  # a plain dict takes the values saved under keys it lacks

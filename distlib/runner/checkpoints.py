@@ -1,106 +1,105 @@
-"""The run's checkpoints in ``<run>/checkpoints``, in the format ``dist.shard`` needs.
+"""The run's checkpoints in ``<run>/checkpoints``: ``distlib.ShardedCheckpointer`` in every ``dist.shard`` mode.
 
-Replicated training (``dist.shard=none``) keeps ``distlib.Checkpointer`` (one file written by rank 0).
-Sharded training saves through ``distlib.ShardedCheckpointer``: every rank writes its own shards,
-and a checkpoint loads at another world size. The per-rank values the trainer keeps (each rank's
-RNG state, buffers and ``rank_state_dict()``s) travel in it as one small replicated object. The two
-formats never stand in for each other: a resume that finds the other one stops and says what to do.
-Design: docs/sharding.md ("With the runner").
+Every rank writes its part of each checkpoint into ``step<global step>/``: the shards it holds
+(``dist.shard=optimizer|full``) and its share of what every rank holds (DCP's planner spreads a
+replicated model and its optimizer state over the ranks, so with ``dist.shard=none`` each of N
+ranks writes about 1/N of it). The directory must be one every rank sees. The per-rank values
+the trainer keeps (each rank's RNG state, buffers and ``rank_state_dict()``s) travel in it as one
+small replicated object. One-file checkpoints (``distlib.Checkpointer``'s format) are refused by
+name. Design: docs/sharding.md ("With the runner").
 """
 
 from __future__ import annotations
 
+import datetime
 import io
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from distlib.checkpoint.checkpointer import Checkpointer, CheckpointError, RankStateful, rng_state, set_rng_state
+from distlib.checkpoint.checkpointer import CheckpointError, RankStateful, rng_state, set_rng_state
 from distlib.distributed import collectives
 from distlib.log import get_logger
 
-# ShardedCheckpointer's directory names, committed and partial; the replicated path does not import it:
-# torch.distributed.checkpoint adds more than a second to the start-up
-_SHARDED = re.compile(r"^(\.partial-)?step\d{9}$")
+if TYPE_CHECKING:
+    from distlib.checkpoint.sharded import ShardedCheckpointer
+
+# ShardedCheckpointer's directory names, committed and partial, and distlib.Checkpointer's file names: the
+# run finds them without importing sharded.py. torch.distributed.checkpoint is imported at the first save,
+# or at a resume that has a checkpoint to load: by then the optimizer has imported torch._dynamo, which
+# shares most of its modules (about 0.04 s then, 0.45 s before it)
+_KINDS = {
+    "committed": re.compile(r"^step\d{9}$"),
+    "partial": re.compile(r"^\.partial-step\d{9}$"),
+    "one_file": re.compile(r"^epoch\d+-step\d+\.pt$"),
+    "probe": re.compile(r"^\.rank0-[0-9a-f]{32}$"),  # left by a run that died at its start
+}
 
 
-class RunCheckpoints:
-    """``resume`` at the start of a run, ``save`` at a position. Both are collectives: every rank
-    must call them, in the same order."""
+def _listing(directory: str, *, delete: bool) -> dict[str, list[str]]:
+    """Rank 0: the committed and the one-file checkpoints in ``directory``, in name order; partial
+    directories of interrupted saves deleted, with a warning (``delete``: every checkpoint)."""
+    log = get_logger()
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    found = {kind: [os.path.join(directory, n) for n in names if pattern.match(n)] for kind, pattern in _KINDS.items()}
+    for p in found.pop("probe"):
+        os.unlink(p)
+    for p in found.pop("partial"):
+        log.warning("deleting %s, the partial directory of an interrupted save", p)
+        shutil.rmtree(p, ignore_errors=True)
+    if delete and (found["committed"] or found["one_file"]):
+        for p in found["committed"]:
+            shutil.rmtree(p, ignore_errors=True)
+        for p in found["one_file"]:
+            os.unlink(p)
+        log.warning("resume disabled: deleted the old checkpoints in %s", directory)
+        found = {"committed": [], "one_file": []}
+    return found
 
-    directory: str
 
-    def resume(self, *, enabled: bool, epochs: int) -> None:
-        """Load the newest valid checkpoint into the objects (``enabled``), or delete every old one."""
-        raise NotImplementedError
-
-    def save(self, *, epoch: int, step: int, global_step: int, async_: bool = False) -> None:
-        """``async_``: staged to host memory and written in the background (at most one in flight: the
-        next save waits for it, and ``distlib.shutdown()`` finishes it), as atomically as a synchronous one."""
-        raise NotImplementedError
-
-    def wait_staged(self) -> None:
-        """Block until the save in flight is staged: for a step whose optimizer runs inside a CUDA graph."""
-
-
-def _other_format(found: list[str], directory: str, saved: str, here: str) -> CheckpointError:
+def _one_file(found: list[str], directory: str) -> CheckpointError:
+    more = f" and {len(found) - 1} more" if len(found) > 1 else ""
     return CheckpointError(
-        f"{directory} holds checkpoints of {saved} training ({os.path.basename(found[0])}), this run has {here}: "
-        "the two formats do not load into each other; resume with the dist.shard they were saved with, "
-        "or set run.resume=false (this deletes them), or use another run.out_dir"
+        f"{directory} holds one-file checkpoints ({os.path.basename(found[0])}{more}): distlib.Checkpointer's format, "
+        "which the runner no longer loads: it saves and resumes step<N>/ directories (ShardedCheckpointer) in every "
+        "dist.shard mode; set run.resume=false to start over (this deletes them), or use another run.out_dir "
+        "(torch.load(path, weights_only=True)['state'] still reads their state dicts)"
     )
 
 
-class ReplicatedCheckpoints(RunCheckpoints):
-    """``distlib.Checkpointer``: one file per checkpoint, written by rank 0."""
-
-    def __init__(self, directory: str, objects: Mapping[str, Any], fingerprint: dict[str, Any], *, keep: int,
-                 is_main: bool):  # fmt: skip
-        self.directory, self.objects, self.fingerprint = directory, objects, fingerprint
-        self.checkpointer = Checkpointer(directory, keep=keep, is_main=is_main)
-
-    def resume(self, *, enabled: bool, epochs: int) -> None:
-        if not enabled:
-            _delete_sharded(self.directory)
-        elif found := collectives.broadcast_object(_sharded_paths(self.directory) if collectives.rank() == 0 else None):
-            raise _other_format(found, self.directory, "sharded (dist.shard=optimizer or full)", "dist.shard=none")
-        self.checkpointer.resume(self.objects, fingerprint=self.fingerprint, enabled=enabled, epochs=epochs)
-
-    def save(self, *, epoch: int, step: int, global_step: int, async_: bool = False) -> None:
-        self.checkpointer.save(self.objects, epoch=epoch, step=step, global_step=global_step,
-                               fingerprint=self.fingerprint, async_=async_)  # fmt: skip
-
-
-def _sharded_paths(directory: str) -> list[str]:
-    """The sharded checkpoints in ``directory``, committed or partial, in name order."""
-    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-    return [os.path.join(directory, n) for n in names if _SHARDED.match(n)]
-
-
-def _delete_sharded(directory: str) -> None:
-    """Every committed and partial sharded checkpoint in ``directory`` (rank 0), then a barrier."""
+def _check_shared(directory: str, probe: str, where: str) -> None:
+    """Every rank sees the file ``probe`` that rank 0 wrote into ``directory`` (``where``, as rank 0 resolves
+    it): each rank writes its part of every checkpoint there, and a resume reads all of them (a collective)."""
+    if collectives.world_size() == 1:
+        return
+    seen = collectives.all_gather_object(os.path.isfile(os.path.join(directory, probe)))
     if collectives.rank() == 0:
-        paths = _sharded_paths(directory)
-        for p in paths:
-            shutil.rmtree(p, ignore_errors=True)
-        if paths:
-            get_logger().warning("resume disabled: deleted the old checkpoints in %s", directory)
-    collectives.barrier()
+        os.unlink(os.path.join(directory, probe))
+    if not all(seen):
+        blind = ", ".join(str(r) for r, s in enumerate(seen) if not s)
+        raise CheckpointError(
+            f"rank(s) {blind} do not see the checkpoint directory of rank 0, {where}: every rank writes its part of "
+            "each checkpoint there, so run.out_dir must be on a file system every node shares (an absolute path, "
+            "the same on every node)"
+        )
 
 
 class RankStates:
-    """Every rank's own values, gathered into one replicated object of a sharded checkpoint: its
-    RNG states, the buffers of the modules (BatchNorm statistics follow each rank's batches) and the
+    """Every rank's own values, gathered into one replicated object of a checkpoint: its RNG states,
+    the buffers of the modules (BatchNorm statistics follow each rank's batches) and the
     ``rank_state_dict()`` of the ``RankStateful`` objects. ``gather()`` (a collective) before a save;
     after a load at the same world size each rank takes its own back. At another world size a
     rank's RNG and buffers have no owner: the RNG continues, the buffers are the checkpoint's
-    (rank 0's), and each ``RankStateful`` gets ``load_rank_state_dict(mean)``, the mean of the saved
-    ones, which keeps any mean over the ranks (the epoch's training loss) what it was."""
+    (of a buffer that every rank holds, DCP writes one rank's), and each ``RankStateful`` gets
+    ``load_rank_state_dict(mean)``, the mean of the saved ones, which keeps any mean over the ranks
+    (the epoch's training loss) what it was."""
 
     def __init__(self, objects: Mapping[str, Any]):
         self.objects = objects
@@ -154,63 +153,109 @@ def _mean(states: list[dict[str, Any]]) -> dict[str, Any]:
             for k, v in states[0].items()}  # fmt: skip
 
 
-class ShardedRunCheckpoints(RunCheckpoints):
-    """``distlib.ShardedCheckpointer``: every rank writes its shards into ``step<global step>/``."""
+class RunCheckpoints:
+    """``resume`` at the start of a run, ``save`` at a position: ``distlib.ShardedCheckpointer`` into
+    ``step<global step>/``, created at the first save or at a resume that loads a checkpoint. Both are
+    collectives: every rank must call them, in the same order, and so is ``commit_if_written``."""
 
-    def __init__(self, directory: str, objects: Mapping[str, Any], settings: dict[str, Any], *, keep: int):
-        from distlib.checkpoint.sharded import ShardedCheckpointer
-
-        self.directory = directory
+    def __init__(self, directory: str, objects: Mapping[str, Any], settings: dict[str, Any], *, keep: int,
+                 timeout_s: float = 300.0):  # fmt: skip
+        self.directory, self.settings, self.keep, self.timeout_s = directory, settings, keep, timeout_s
         self.ranks = RankStates(objects)
         self.objects = {**objects, "rank_states": self.ranks}
-        self.checkpointer = ShardedCheckpointer(directory, keep=keep, settings=settings)
-        self.replicated = Checkpointer(directory, is_main=collectives.rank() == 0)  # to find its files
+        self._checkpointer: ShardedCheckpointer | None = None
+        self._in_flight = False  # a background save not yet committed
+        self._group: dist.ProcessGroup | None = None  # where the ranks agree that it is written
+        self._flag = torch.zeros(1, dtype=torch.int32)  # 1: this rank is still writing
+        self._work: Any = None  # the all_reduce of the flags, one call behind
 
-    def resume(self, *, enabled: bool, epochs: int) -> None:
-        if not enabled:
-            _delete_sharded(self.directory)
-            if self.replicated.clear():
-                get_logger().warning("resume disabled: deleted the old checkpoints in %s", self.directory)
-            collectives.barrier()
-            return
-        if found := collectives.broadcast_object(self.replicated.paths() if collectives.rank() == 0 else None):
-            raise _other_format(found, self.directory, "replicated (dist.shard=none)", "a sharded dist.shard")
+    @property
+    def checkpointer(self) -> ShardedCheckpointer:
+        if self._checkpointer is None:
+            from distlib.checkpoint.sharded import ShardedCheckpointer
+
+            self._checkpointer = ShardedCheckpointer(self.directory, keep=self.keep, settings=self.settings)
+        return self._checkpointer
+
+    def resume(self, *, enabled: bool) -> None:
+        """Load the newest usable checkpoint into the objects (``enabled``; an older one, with a warning, when
+        the newest is damaged), or delete every old one. Partial directories of interrupted saves are deleted."""
+        found = None
+        if collectives.rank() == 0:
+            found = {**_listing(self.directory, delete=not enabled), "probe": f".rank0-{uuid.uuid4().hex}",
+                     "where": os.path.abspath(self.directory)}  # fmt: skip
+            if collectives.world_size() > 1:
+                os.makedirs(self.directory, exist_ok=True)
+                open(os.path.join(self.directory, found["probe"]), "w").close()
+        found = collectives.broadcast_object(found)
+        _check_shared(self.directory, found["probe"], found["where"])
+        if found["one_file"]:
+            raise _one_file(found["one_file"], self.directory)
+        if not found["committed"]:
+            return  # a fresh start: nothing imports torch.distributed.checkpoint yet
         try:
-            step = self.checkpointer.resume(self.objects)
+            step = self.checkpointer.resume(self.objects, fallback=True)
         except CheckpointError as e:  # the same on every rank
             raise CheckpointError(f"{e}\n(or set run.resume=false to start over: this deletes them; or use another "
                                   "run.out_dir)") from e  # fmt: skip
-        if step is None:
-            return
-        state, path, log = self.objects["train_state"], self.checkpointer.paths()[0], get_logger()
-        if epochs and state.epoch >= epochs:
-            log.warning("%s is the final checkpoint: this run is complete, nothing to do "
-                        "(set run.resume=false or another run.out_dir to train again)", path)  # fmt: skip
-        else:
-            log.info("resuming from %s: epoch %d, step %d", path, state.epoch, state.step)
+        if step is not None:
+            state = self.objects["train_state"]
+            path = os.path.join(self.directory, f"step{step:09d}")
+            get_logger().info("resuming from %s: epoch %d, step %d", path, state.epoch, state.step)
 
     def save(self, *, epoch: int, step: int, global_step: int, async_: bool = False) -> None:
+        """``async_``: staged to host memory and written in the background (at most one in flight: the
+        next save waits for it), committed by ``commit_if_written`` once every rank has written it, by
+        the next save, or by ``distlib.shutdown()``; as atomically as a synchronous one."""
+        self._settle()
         self.ranks.gather()
         self.checkpointer.save(global_step, self.objects, async_=async_)
+        if async_:
+            self._in_flight = True
+            if self._group is None and collectives.world_size() > 1:  # a collective: every rank saves here
+                self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+
+    def commit_if_written(self) -> None:
+        """Commit the background save once every rank has written its part: after every step, so that it
+        appears when written rather than at the next save (a crash in between would lose it). The ranks
+        agree one call behind, through an asynchronous all_reduce over a gloo group of its own: the
+        write is never waited for. A collective: every rank must call it, at the same steps."""
+        if not self._in_flight:
+            return
+        if self._group is None:  # one process
+            if self.checkpointer.written():
+                self._in_flight = False
+                self.checkpointer.wait()
+            return
+        if self._work is not None:
+            self._work.wait()  # issued a step ago: done, or about to be
+            self._work = None
+            if not int(self._flag.item()):  # no rank still writing
+                self._in_flight = False
+                self.checkpointer.wait()
+                return
+        self._flag.fill_(0 if self.checkpointer.written() else 1)
+        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+
+    def _settle(self) -> None:
+        """Finish the agreement in flight (every rank has one): the next save commits the write itself."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self._in_flight = False
 
     def wait_staged(self) -> None:
-        self.checkpointer.wait_staged()
+        """Block until the save in flight is staged: for a step whose optimizer runs inside a CUDA graph."""
+        if self._checkpointer is not None:
+            self._checkpointer.wait_staged()
 
 
-def build_checkpoints(
-    directory: str,
-    objects: Mapping[str, Any],
-    *,
-    shard: str,
-    fingerprint: dict[str, Any],
-    keep: int,
-    is_main: bool,
-) -> RunCheckpoints:
-    """The checkpoints of a run with ``dist.shard=shard``: sharded ones unless it is "none" (the
-    settings of ``fingerprint`` and dist.shard checked on resume, the tensors' global shapes by
-    ShardedCheckpointer itself), replicated ones otherwise."""
-    if shard != "none":
-        # optimizer and full save the optimizer state in other layouts (flat slices, DTensors of each
-        # parameter's shape): dist.shard is part of what a checkpoint is valid for
-        return ShardedRunCheckpoints(directory, objects, {**fingerprint["settings"], "dist.shard": shard}, keep=keep)
-    return ReplicatedCheckpoints(directory, objects, fingerprint, keep=keep, is_main=is_main)
+def build_checkpoints(directory: str, objects: Mapping[str, Any], *, shard: str, fingerprint: dict[str, Any],
+                      keep: int, timeout_s: float = 300.0) -> RunCheckpoints:  # fmt: skip
+    """The checkpoints of a run with ``dist.shard=shard``: the settings of ``fingerprint`` and
+    dist.shard checked on resume, the tensors' global shapes by ShardedCheckpointer itself.
+    ``timeout_s``: of the collectives that commit a background save (dist.timeout_s)."""
+    # the three modes save the optimizer state in other layouts (whole tensors, flat slices, DTensors of
+    # each parameter's shape): dist.shard is part of what a checkpoint is valid for
+    settings = {**fingerprint["settings"], "dist.shard": shard}
+    return RunCheckpoints(directory, objects, settings, keep=keep, timeout_s=timeout_s)

@@ -116,7 +116,7 @@ class ProfileConfig:
 @dataclass
 class RunConfig:
     name: str = ""  # "" = the recipe's file name
-    out_dir: str = ""  # "" = runs/<name>
+    out_dir: str = ""  # "" = runs/<name>; on several nodes a path all of them share (each rank writes checkpoints)
     checkpoint_every: int = 0  # epochs between checkpoints (0 = only at the end)
     checkpoint_every_steps: int = 0  # also a checkpoint every N optimizer steps (global), mid-epoch too; 0 = off
     keep_checkpoints: int = 3

@@ -7,12 +7,14 @@ other programs load.
   ``save_pretrained`` does);
 - the built-in ``gpt``: ``model.safetensors`` and ``config.json`` holding ``GPTConfig``'s fields
   (``load_gpt(OUT_DIR)`` builds it back);
-- any other model: an error naming ``python -m distlib.checkpoint.sharded`` / ``torch.load`` of the
-  replicated checkpoint, which hold its state dict.
+- any other model: an error naming ``python -m distlib.checkpoint.sharded``, which writes its
+  state dict as one file.
 
-A sharded checkpoint (``dist.shard=optimizer`` or ``full``) is read on the CPU of this one process,
-a group of tensors at a time from DCP's files (no process group, no GPU); the tensors are written
-in the dtype asked for, so the host holds about the exported bytes once. Design: docs/huggingface.md.
+The run's checkpoint (DCP's files, in every ``dist.shard`` mode) is read on the CPU of this one
+process, a group of tensors at a time (no process group, no GPU); the tensors are written in the
+dtype asked for, so the host holds about the exported bytes once. A one-file checkpoint
+(``distlib.Checkpointer``'s, which the runner wrote for ``dist.shard=none`` in earlier versions) is
+read too. Design: docs/huggingface.md.
 """
 
 from __future__ import annotations
@@ -48,15 +50,16 @@ def _run_config(run_dir: str) -> Config:
         name = ((yaml.safe_load(f) or {}).get("model") or {}).get("name")
     if name not in ("hf_causal_lm", "gpt"):
         raise ExportError(
-            f"model.name={name!r}: export writes Hugging Face folders (hf_causal_lm) and the built-in gpt; a "
-            "replicated checkpoint is a torch.load file with the state dict under ['state']['model'], a sharded "
-            "one converts with python -m distlib.checkpoint.sharded CHECKPOINT_DIR OUT.pt"
+            f"model.name={name!r}: export writes Hugging Face folders (hf_causal_lm) and the built-in gpt; the "
+            "run's checkpoint converts with python -m distlib.checkpoint.sharded CHECKPOINT_DIR OUT.pt (a one-file "
+            "checkpoint of an earlier version is a torch.load file with the state dict under ['state']['model'])"
         )
     return load_config(path)
 
 
 def _newest_checkpoint(run_dir: str) -> tuple[str, str]:
-    """("sharded" | "replicated", path) of the newest committed checkpoint of the run."""
+    """("sharded" | "replicated", path) of the newest committed checkpoint of the run ("replicated": a one-file
+    checkpoint of an earlier version, only when there is no sharded one)."""
     from distlib.checkpoint.checkpointer import Checkpointer
     from distlib.checkpoint.sharded import ShardedCheckpointer
 

@@ -243,9 +243,9 @@ class Trainer:
         self.checkpoints = build_checkpoints(
             os.path.join(self.run.path, "checkpoints"), self.objects, shard=cfg.dist.shard,
             fingerprint=fingerprint(self.model, steps_per_epoch=len(self.loader), **resume_settings(cfg)),
-            keep=cfg.run.keep_checkpoints, is_main=self.ctx.is_main,
+            keep=cfg.run.keep_checkpoints, timeout_s=cfg.dist.timeout_s,
         )  # fmt: skip
-        self.checkpoints.resume(enabled=cfg.run.resume, epochs=0)  # whether it is complete: the budget's to say
+        self.checkpoints.resume(enabled=cfg.run.resume)  # whether it is complete: the budget's to say
         self.resume_budget()
         self.loader.set_epoch(self.state.epoch)
         self.run.start_metrics(self.state.epoch, step=self.global_step)
@@ -342,6 +342,7 @@ class Trainer:
                                      self.checkpoints.directory)  # fmt: skip
                 return False
             self.train_step(x, y)
+            self.checkpoints.commit_if_written()  # a background save, once every rank has written it
             if budget.stops_at(self.global_step):
                 self.stop_clock(t0)
                 self.end_of_step()

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from distlib.checkpoint.checkpointer import CheckpointError
 from distlib.checkpoint.sharded import ShardedCheckpointer, export_checkpoint, main
 from distlib.distributed import collectives
-from tests.conftest import _rank_context, _Stdio, _worker, free_port, run_ranks
+from tests.conftest import _rank_context, _Stdio, _worker, flip_a_tensor_byte, free_port, run_ranks
 
 GLOBAL_BATCH = 8
 
@@ -377,6 +377,91 @@ def test_a_missing_or_corrupt_shard_is_named(tmp_path, damage):
              "value": "checksum mismatch"}[damage]  # fmt: skip
     with pytest.raises(CheckpointError, match=f"(?s){shard}.*{words}.*delete {path}"):
         ShardedCheckpointer(str(tmp_path)).resume(objects(*build("replicated", 0), {}))
+
+
+def _checked_by(rank: int, step_dir: str) -> str:
+    """A shard file of the checkpoint that ``rank`` alone checks: every rank checks every world_size-th
+    file, in name order (.metadata first), of 2 here."""
+    names = sorted(n for n in os.listdir(step_dir) if n == ".metadata" or n.endswith(".distcp"))
+    return next(n for i, n in enumerate(names) if i % 2 == rank and n != ".metadata")
+
+
+def _resume_with_fallback(ctx, directory: str) -> dict:
+    """Steps 1 and 2 saved at 2 ranks; a file of step 2 damaged where only rank 1 checks it; resumed
+    without and with ``fallback``; then a file of step 1 damaged, one rank 0 checks."""
+    model, opt, sched = build("replicated", seed=0)
+    ck = ShardedCheckpointer(directory)
+    train = {"step": 0}
+    for step in (1, 2):
+        train_step("replicated", model, opt, sched, step)
+        train["step"] = step
+        ck.save(step, objects(model, opt, sched, train))
+        if step == 1:
+            at_1 = {k: v.clone() for k, v in model.state_dict().items()}
+    newest = os.path.join(directory, "step000000002")
+    damaged = _checked_by(1, newest)
+    if ctx.rank == 0:
+        flip_a_tensor_byte(newest, damaged)
+    collectives.barrier()
+    out: dict = {"damaged": damaged}
+    fresh, fopt, fsched = build("replicated", seed=1)
+    train = {"step": -1}
+    with pytest.raises(CheckpointError) as e:
+        ShardedCheckpointer(directory).resume(objects(fresh, fopt, fsched, train))
+    out["without"] = str(e.value)
+    out["step"] = ShardedCheckpointer(directory).resume(objects(fresh, fopt, fsched, train), fallback=True)
+    out["train"] = train["step"]
+    out["model"] = all(torch.equal(v, at_1[k]) for k, v in fresh.state_dict().items())
+    with pytest.raises(CheckpointError) as e:  # another model's: refused, not skipped
+        ShardedCheckpointer(directory).resume(objects(*build("replicated", 0, width=32), {}), fallback=True)
+    out["other"] = str(e.value)
+    older = os.path.join(directory, "step000000001")
+    if ctx.rank == 0:
+        flip_a_tensor_byte(older, _checked_by(0, older))
+    collectives.barrier()
+    with pytest.raises(CheckpointError) as e:
+        ShardedCheckpointer(directory).resume(objects(fresh, fopt, fsched, train), fallback=True)
+    out["none"] = str(e.value)
+    return out
+
+
+def test_with_fallback_a_damaged_checkpoint_is_skipped_for_the_previous_one_on_every_rank(tmp_path):
+    """Only rank 1 finds the damage: every rank still skips that checkpoint (or, without ``fallback``,
+    stops) together and loads the same older one; another model's checkpoint is refused, not skipped."""
+    res = run_ranks(_resume_with_fallback, 2, str(tmp_path))
+    newest = os.path.join(str(tmp_path), "step000000002")
+    for r in res:
+        assert f"checkpoint {newest} is damaged: {newest}/{r['damaged']}: checksum mismatch" in r["without"], r
+        assert r["step"] == 1 and r["train"] == 1 and r["model"], r
+        assert "is from another model or settings" in r["other"] and newest in r["other"], r
+        assert r["none"].startswith(f"none of the 2 committed checkpoint(s) in {tmp_path} is usable"), r
+
+
+def test_written_says_whether_this_ranks_part_of_the_save_in_flight_is_on_disk(tmp_path, monkeypatch):
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    release, write_data = threading.Event(), dcp.FileSystemWriter.write_data
+
+    def held(self, plan, planner):
+        release.wait(30)
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held)
+    model, opt, sched = build("replicated", seed=0)
+    ck = ShardedCheckpointer(str(tmp_path))
+    assert ck.written()  # nothing in flight
+    ck.save(1, objects(model, opt, sched, {}), async_=True)
+    assert not ck.written()
+    release.set()
+    for _ in range(3000):
+        if ck.written():
+            break
+        threading.Event().wait(0.01)
+    assert ck.written() and ck.paths() == []  # written, not committed: that is wait()'s
+    ck.wait()
+    assert [os.path.basename(p) for p in ck.paths()] == ["step000000001"] and ck.written()
 
 
 def test_a_non_empty_partial_directory_is_refused_and_resume_clears_it(tmp_path):

@@ -17,6 +17,7 @@ import torch
 
 from distlib.runner.budget import Budget
 from tests.conftest import ROOT, run_ranks
+from tests.runner.conftest import checkpoints, saved, step_name
 from tests.runner.test_trainer import metrics
 
 DEMO = os.path.join(ROOT, "recipes", "gpt_demo.yaml")
@@ -38,14 +39,6 @@ def launch_ranks(world: int, out_dir, *overrides: str) -> int:
     codes = run_ranks(_launch, world, str(out_dir), list(overrides), timeout=180)
     assert len(set(codes)) == 1, codes
     return codes[0]
-
-
-def checkpoints(out_dir) -> list[str]:
-    return sorted(os.listdir(os.path.join(out_dir, "checkpoints")))
-
-
-def model_of(out_dir, name: str) -> dict[str, torch.Tensor]:
-    return torch.load(os.path.join(out_dir, "checkpoints", name), weights_only=True)["state"]["model"]
 
 
 def lr_after(step: int, total: int) -> float:
@@ -90,7 +83,7 @@ def test_max_steps_ends_mid_epoch_with_the_final_evaluation_a_row_and_the_final_
     assert last["lr"] == pytest.approx(lr_after(11, 11), rel=1e-6) and last["lr"] == pytest.approx(0.1 * LR)
     assert rows[0]["lr"] == pytest.approx(lr_after(8, 11), rel=1e-6)
     # the final checkpoint: 1 epoch done, 3 steps into the next; the final evaluation's figures in summary.json
-    assert checkpoints(out) == ["epoch0001-step000003.pt"]  # run.checkpoint_every=0: the final one only
+    assert checkpoints(out) == [step_name(11)]  # run.checkpoint_every=0: the final one only
     with open(out / "summary.json") as f:
         summary = json.load(f)
     assert summary["final_val_loss"] == last["val_loss"] and summary["sample"]
@@ -114,7 +107,7 @@ def test_evaluations_and_checkpoints_every_n_steps_across_epochs(tmp_path):
     assert [r["val_loss"] is None for r in rows] == [False, True, False, False, False]
     assert [(r["epoch"], r.get("epoch_step")) for r in rows] == [(1, 5), (1, None), (2, 2), (2, 7), (2, None)]
     # checkpoints at steps 6 and 12 (inside epochs) and at the end
-    assert checkpoints(out) == ["epoch0000-step000006.pt", "epoch0001-step000004.pt", "epoch0002-step000000.pt"]
+    assert checkpoints(out) == [step_name(6), step_name(12), step_name(16)]
     # TensorBoard's x-axis is the global step
     acc = EventAccumulator(str(out))
     acc.Reload()
@@ -129,12 +122,12 @@ def test_a_resume_from_a_step_checkpoint_ends_bit_for_bit_as_the_uninterrupted_r
     assert launch_ranks(world, ref, *run) == 0
     shutil.copytree(ref, out)
     for name in checkpoints(out):  # as if it had died after step 5's checkpoint, in epoch 1
-        if name != "epoch0000-step000005.pt":
-            os.unlink(out / "checkpoints" / name)
+        if name != step_name(5):
+            shutil.rmtree(out / "checkpoints" / name)
     assert launch_ranks(world, out, *run) == 0
     assert trajectory(metrics(out)) == trajectory(metrics(ref))
     assert [r["step"] for r in metrics(out)] == [3, 6, 8, 9, 12, 15, 16]
-    a, b = model_of(ref, "epoch0002-step000000.pt"), model_of(out, "epoch0002-step000000.pt")
+    a, b = saved(ref, 16)["model"], saved(out, 16)["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -171,5 +164,5 @@ def test_a_resume_that_changes_anything_but_the_budget_is_refused(tmp_path, capf
     assert launch_ranks(1, out, "train.max_steps=12", "train.lr=1e-3") == 2
     err = capfd.readouterr().err
     assert "train.lr: checkpoint has 0.003, this run has 0.001" in err, err
-    assert "max_steps" not in err.split("is from another model or config")[-1], err
+    assert "max_steps" not in err.split("is from another model or settings")[-1], err
     assert [r["step"] for r in metrics(out)] == [6]

@@ -19,7 +19,7 @@ from distlib.runner.data import load_image_set
 from distlib.runner.device_loader import DeviceLoader
 from distlib.runner.models import small_cnn
 from tests.conftest import ROOT, free_port, run_ranks
-from tests.runner.conftest import TORCHRUN_VARS
+from tests.runner.conftest import TORCHRUN_VARS, checkpoints, saved, step_name
 
 DEMO = os.path.join(ROOT, "recipes", "demo.yaml")
 METRIC_KEYS = {"epoch", "train_loss", "test_acc", "images_per_s", "elapsed_s", "world_size"}
@@ -96,7 +96,8 @@ README_METRICS = {"epoch", "step", "train_loss", "test_acc", "images_per_s", "sa
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory, cache_dir):
     """Two torchrun agents of one rank each, each in its own working directory, writing to the
-    relative run.out_dir ``runs/two``: only rank 0's directory may receive it."""
+    run.out_dir ``shared/two``, on a file system both "nodes" see (every rank writes its part of each
+    checkpoint there)."""
     base = tmp_path_factory.mktemp("two-nodes")
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     env["OMP_NUM_THREADS"] = "1"
@@ -106,7 +107,7 @@ def two_nodes(tmp_path_factory, cache_dir):
         os.makedirs(base / f"node{node}")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
                "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               os.path.join(ROOT, "launch.py"), DEMO, *SAME, "run.out_dir=runs/two",
+               os.path.join(ROOT, "launch.py"), DEMO, *SAME, f"run.out_dir={base / 'shared' / 'two'}",
                f"data.cache_dir={cache_dir}"]  # fmt: skip
         procs.append(subprocess.Popen(cmd, cwd=base / f"node{node}", env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))  # fmt: skip
@@ -139,7 +140,7 @@ def test_two_ranks_equal_one_process_accumulating_the_same_global_batch(two_node
     the same halves as its micro-batches: the same arithmetic (BatchNorm included), so the losses
     agree to rounding in the first epoch (measured: 7e-6 relative); the rounding differences grow
     over the steps (4e-4 in the second epoch). Unsynchronized or summed gradients give 1e-2 and more."""
-    _, two = read_run(two_nodes / "node0" / "runs" / "two")
+    _, two = read_run(two_nodes / "shared" / "two")
     _, acc = read_run(one_process[1])
     assert [r["world_size"] for r in two] == [2, 2] and [r["world_size"] for r in acc] == [1, 1]
     assert len(two) == len(acc) == 2
@@ -148,14 +149,40 @@ def test_two_ranks_equal_one_process_accumulating_the_same_global_batch(two_node
     assert [r["lr"] for r in two] == pytest.approx([r["lr"] for r in acc])
 
 
-def test_only_rank_0_writes_the_run_directory(two_nodes):
-    out = two_nodes / "node0" / "runs" / "two"
+def _bytes_by_rank(step_dir) -> tuple[dict[int, int], dict[int, int]]:
+    """The bytes of each rank's shard files (``__<rank>_<i>.distcp``), and of the tensors' records in them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    def rank(name: str) -> int:
+        return int(name.removeprefix("__").split("_")[0])
+
+    files: dict[int, int] = {}
+    for f in step_dir.glob("__*_*.distcp"):
+        files[rank(f.name)] = files.get(rank(f.name), 0) + f.stat().st_size
+    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
+    tensors: dict[int, int] = {}
+    for index, where in metadata.storage_data.items():
+        if isinstance(metadata.state_dict_metadata[index.fqn], TensorStorageMetadata):
+            tensors[rank(where.relative_path)] = tensors.get(rank(where.relative_path), 0) + where.length
+    return files, tensors
+
+
+def test_rank_0_writes_the_run_directory_and_every_rank_its_part_of_each_checkpoint(two_nodes):
+    out = two_nodes / "shared" / "two"
     assert {"config.yaml", "metrics.jsonl", "environment.json", "checkpoints"} <= set(os.listdir(out))
-    assert os.listdir(two_nodes / "node1") == [], "rank 1 (the other node) must write nothing"
+    assert sorted(os.listdir(out / "checkpoints")) == checkpoints(out) == [step_name(8), step_name(16)]
+    for name in checkpoints(out):  # dist.shard=none: the replicated state written in parts, not by rank 0 alone
+        files, tensors = _bytes_by_rank(out / "checkpoints" / name)
+        assert sorted(files) == sorted(tensors) == [0, 1], name
+        for rank in (0, 1):
+            assert files[rank] >= 0.25 * sum(files.values()), (name, files)
+            assert tensors[rank] >= 0.25 * sum(tensors.values()), (name, tensors)
+    assert os.listdir(two_nodes / "node0") == os.listdir(two_nodes / "node1") == [], "nothing in the working dirs"
 
 
 def test_metrics_rows_hold_the_readme_keys_with_epoch_and_training_time(two_nodes):
-    _, rows = read_run(two_nodes / "node0" / "runs" / "two")
+    _, rows = read_run(two_nodes / "shared" / "two")
     for r in rows:
         assert set(r) == README_METRICS, r
         assert 0 < r["epoch_s"] <= r["train_s"] <= r["elapsed_s"]
@@ -170,12 +197,10 @@ def test_the_final_accuracy_is_the_saved_models_on_every_test_image(two_nodes, c
     statistics averaged into it before the evaluation) on the 1,000 test images with their mirror
     images (train.tta), normalized with the training subset's statistics: by hand, on the shards
     the two ranks evaluated (the same batch shapes)."""
-    out = two_nodes / "node0" / "runs" / "two"
+    out = two_nodes / "shared" / "two"
     _, rows = read_run(out)
     model = small_cnn(10, 8)
-    model.load_state_dict(
-        torch.load(out / "checkpoints" / "epoch0002-step000000.pt", weights_only=True)["state"]["model"]
-    )
+    model.load_state_dict(saved(out, 16)["model"])  # the final checkpoint's, epoch 2's end
     model.eval()
     images = load_image_set(os.path.join(ROOT, "data", "cifar10-demo"), cache_dir=cache_dir)
     pixels = images.x_train[:1024].float() / 255
@@ -190,9 +215,9 @@ def test_the_final_accuracy_is_the_saved_models_on_every_test_image(two_nodes, c
 
 def test_a_resume_at_another_world_size_continues_with_a_warning(two_nodes, tmp_path, cache_dir):
     out = tmp_path / "resumed"
-    shutil.copytree(two_nodes / "node0" / "runs" / "two", out)
+    shutil.copytree(two_nodes / "shared" / "two", out)
     _, two = read_run(out)
-    os.remove(out / "checkpoints" / "epoch0002-step000000.pt")  # as if stopped after epoch 1
+    shutil.rmtree(out / "checkpoints" / step_name(16))  # as if stopped after epoch 1
     proc = launch([DEMO, *SAME, f"run.out_dir={out}", f"data.cache_dir={cache_dir}"], nproc=1)
     assert "checkpoint written by 2 rank(s), this run has 1" in proc.stderr
     _, rows = read_run(out)

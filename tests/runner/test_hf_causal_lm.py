@@ -27,6 +27,7 @@ pytest.importorskip("safetensors")
 import distlib  # noqa: E402
 from distlib.runner.config import ConfigError, load_config  # noqa: E402
 from tests.conftest import ROOT, run_ranks  # noqa: E402
+from tests.runner.conftest import checkpoints  # noqa: E402
 from tests.runner.test_trainer import built, metrics  # noqa: E402
 
 TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -358,11 +359,9 @@ def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one(folder,
     root, _ = folder
     out = str(tmp_path / "run")
     ref = run_ranks(_two_epochs, 2, str(root), out, shard, timeout=300)[0]
-    checkpoints = os.path.join(out, "checkpoints")
-    saved = sorted(os.listdir(checkpoints))
+    saved = checkpoints(out)
     assert len(saved) == 2
-    newest = os.path.join(checkpoints, saved[-1])
-    shutil.rmtree(newest) if os.path.isdir(newest) else os.unlink(newest)
+    shutil.rmtree(os.path.join(out, "checkpoints", saved[-1]))
     again = run_ranks(_two_epochs, 2, str(root), out, shard, timeout=300)[0]
     keys = ("epoch", "train_loss", "val_loss")
     assert [{k: r[k] for k in keys} for r in again] == [{k: r[k] for k in keys} for r in ref]
@@ -476,7 +475,7 @@ def _val_loss(model, root) -> float:
 
 @pytest.mark.parametrize("shard", ["none", "full"])
 def test_an_exported_run_loads_with_from_pretrained_and_gives_its_validation_loss(folder, tmp_path, shard):
-    """A run at two ranks (its checkpoint replicated or DCP-sharded), exported in fp32: transformers'
+    """A run at two ranks (replicated or fully sharded training: a DCP checkpoint), exported in fp32: transformers'
     from_pretrained loads the folder (config.json, one model.safetensors, the tied embedding stored
     once) with the checkpoint's weights exactly, and its validation loss is the run's final one; a
     bf16 export holds the same weights rounded to bf16."""
@@ -527,6 +526,16 @@ def test_the_gpt_exports_as_safetensors_and_its_config_and_other_models_are_refu
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, state[k], rtol=0, atol=0, msg=k)
     assert model.lm_head.weight is model.wte.weight and model.cfg.vocab_size == 256
+    # a run directory of one-file checkpoints (distlib.Checkpointer's, which the runner wrote for
+    # dist.shard=none before it saved every mode through ShardedCheckpointer) exports too
+    legacy = tmp_path / "legacy"
+    (legacy / "checkpoints").mkdir(parents=True)
+    shutil.copy(os.path.join(out, "config.yaml"), legacy)
+    distlib.Checkpointer(str(legacy / "checkpoints")).save({"model": trainer.model}, epoch=1, step=0, global_step=8,
+                                                           fingerprint={})  # fmt: skip
+    _, old, path = model_state(str(legacy), torch.float32)
+    assert os.path.basename(path) == "epoch0001-step000000.pt" and old.keys() == state.keys()
+    assert all(torch.equal(old[k], state[k]) for k in state)
 
     with open(os.path.join(out, "config.yaml")) as f:
         text = f.read().replace("name: gpt", "name: examples.own_model.spirals:MLP", 1)

@@ -21,6 +21,7 @@ from distlib.runner.config import load_config
 from distlib.runner.text_data import TokenLoader
 from distlib.runner.token_file import open_stream, write_token_file
 from tests.conftest import ROOT, run_ranks
+from tests.runner.conftest import checkpoints
 from tests.runner.test_trainer import built, metrics
 
 DEMO = os.path.join(ROOT, "recipes", "gpt_tokens_demo.yaml")
@@ -116,7 +117,7 @@ def runs(tmp_path_factory):
         res = {"data": data, "ref": run_ranks(_train, 3, o, str(base / "ref"), 0, timeout=240)}
         res["stopped"] = run_ranks(_train, 3, o, str(base / "run"), STEPS + 3, timeout=240)
         shutil.copytree(base / "run", base / "run2")
-        res["checkpoints"] = sorted(os.listdir(base / "run" / "checkpoints"))
+        res["checkpoints"] = checkpoints(base / "run")
         res["resumed"] = run_ranks(_train, 3, o, str(base / "run"), 0, timeout=240)
         res["resumed_at_2"] = run_ranks(_train, 2, o, str(base / "run2"), 0, timeout=240)
         res["rows"] = {k: metrics(base / d) for k, d in [("ref", "ref"), ("resumed", "run"), ("resumed_at_2", "run2")]}
@@ -203,10 +204,9 @@ def test_a_run_stopped_mid_epoch_at_3_ranks_resumes_to_the_uninterrupted_rows_an
     res = runs(kind)
     stopped, resumed, ref = res["stopped"], res["resumed"], res["ref"]
     assert all(r["code"] == 128 + signal.SIGTERM for r in stopped)
-    last = res["checkpoints"][-1]
-    assert last.startswith("epoch0001-step") and last != "epoch0001-step000000.pt", res["checkpoints"]  # mid-epoch
+    done = int(res["checkpoints"][-1].removeprefix("step"))  # the stop's global step
+    assert STEPS < done < 2 * STEPS, res["checkpoints"]  # mid-epoch, in epoch 2
     for a, b, c in zip(stopped, resumed, ref):  # every rank: its batches before the stop and after, as uninterrupted
-        done = int(last[len("epoch0001-step") : -3]) + STEPS
         assert [g for g, _ in a["seen"]][:done] == list(range(done))
         assert a["seen"][:done] + b["seen"] == c["seen"]
         assert b["weights"].keys() == c["weights"].keys()
@@ -219,8 +219,7 @@ def test_a_run_stopped_mid_epoch_at_3_ranks_resumes_to_the_uninterrupted_rows_an
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_resume_at_another_world_size_continues_at_the_same_global_sample(runs, kind):
     res = runs(kind)
-    last = res["checkpoints"][-1]
-    done = int(last[len("epoch0001-step") : -3]) + STEPS
+    done = int(res["checkpoints"][-1].removeprefix("step"))  # the stop's global step
     ref = _global_batches(res["ref"])
     at_2 = _global_batches(res["resumed_at_2"])
     assert sorted(at_2) == list(range(done, 2 * STEPS))  # from the checkpoint's global step on

@@ -23,10 +23,12 @@ import time
 import pytest
 import torch
 
+import distlib
 import launch
 from distlib.reliability.watchdog import grace_s
 from distlib.runner.data import load_image_set
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, flip_a_tensor_byte, free_port
+from tests.runner.conftest import checkpoints, saved, step_name
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 DEMO = [
@@ -39,7 +41,8 @@ DEMO = [
 ]  # the weight average too must resume bit for bit
 CPU = ["dist.backend=gloo"]  # gloo ranks use the CPU even where a GPU exists
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-FINAL = "epoch0003-step000000.pt"
+STEPS = 16  # an epoch's: 2,048 images in global batches of 128
+FINAL = 3 * STEPS  # the global step of the final checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -72,10 +75,10 @@ class Job:
 
     running: list[Job] = []
 
-    def __init__(self, cmd: list[str], log_path: str):
+    def __init__(self, cmd: list[str], log_path: str, env: dict[str, str] | None = None):
         self.log_path = log_path
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env or ENV, stdout=self.log, stderr=subprocess.STDOUT)
         self.seen: set[int] = set()  # every worker (and watchdog) pid seen, to check none is left
         Job.running.append(self)
 
@@ -182,7 +185,7 @@ def stopped_at(job: Job, out_dir: str, sig_name: str, epochs: int) -> tuple[int,
     assert job.output.count(f"stopped by {sig_name}") == 1  # said once, by rank 0
     epoch, step = int(m.group(1)), int(m.group(2))
     assert 2 <= epoch <= epochs, (epoch, step)
-    assert os.path.exists(os.path.join(out_dir, "checkpoints", f"epoch{epoch - 1:04d}-step{step:06d}.pt"))
+    assert step_name((epoch - 1) * STEPS + step) in checkpoints(out_dir)
     assert [r["epoch"] for r in metrics(out_dir)] == list(range(1, epoch))
     return epoch, step
 
@@ -198,7 +201,7 @@ def trajectory(out_dir: str) -> list[tuple]:
 
 
 def final_model(out_dir: str) -> dict[str, torch.Tensor]:
-    return torch.load(os.path.join(out_dir, "checkpoints", FINAL), weights_only=True)["state"]["model"]
+    return saved(out_dir, FINAL)["model"]
 
 
 def assert_same_model(a: dict, b: dict) -> None:
@@ -228,18 +231,46 @@ def reference(tmp_path_factory):
 def test_a_killed_worker_is_restarted_and_the_run_resumes_to_the_same_result(tmp_path, reference):
     out = str(tmp_path / "out")
     job = torchrun(out, extra=("--max-restarts=1",), name="killed")
-    wait_for_file(os.path.join(out, "checkpoints", "epoch0001-step000000.pt"), job)
+    wait_for_file(os.path.join(out, "checkpoints", step_name(STEPS)), job)  # epoch 1's, committed
     os.kill(job.workers()[1], signal.SIGKILL)
     assert job.wait() == 0, job.output[-4000:]
     assert "rank 0 lost the connection to another rank in " in job.output
     # (which failure torchrun's agent reports first, rank 1's SIGKILL or rank 0's exit, depends on
     # the machine's load: not asserted)
-    assert "resuming from" in job.output and "epoch0001-step000000.pt" in job.output
+    assert f"resuming from {os.path.join(out, 'checkpoints', step_name(STEPS))}" in job.output
     epochs = [r["epoch"] for r in metrics(out)]
     assert epochs == [1, 2, 3]  # no epoch twice, none skipped
     assert trajectory(out) == reference["trajectory"]
     assert_same_model(final_model(out), reference["model"])
     assert_nothing_left(job)
+
+
+def test_a_run_killed_while_a_background_save_is_written_resumes_from_the_previous_one(tmp_path, reference):
+    """Background checkpoints every 6 steps; the third one's write is held (tests/runner/held_save_launch.py)
+    once each rank has written part of its shard file, and the whole job is then killed with SIGKILL.
+    The first two are committed, the third is a partial directory; the same command resumes from the
+    second and ends as the uninterrupted run, bit for bit."""
+    out, mark = str(tmp_path / "out"), str(tmp_path / "held")
+    every = ("run.checkpoint_every=0", "run.checkpoint_every_steps=6")
+    cmd = TORCHRUN + ["--standalone", "--nproc-per-node=2", "tests/runner/held_save_launch.py", *DEMO, *CPU,
+                      f"run.out_dir={out}", *every]  # fmt: skip
+    job = Job(cmd, str(tmp_path / "held.log"), env={**ENV, "HELD_SAVE_AFTER": "2", "HELD_SAVE_MARK": mark})
+    for rank in (0, 1):
+        wait_for_file(f"{mark}-{rank}", job)  # each rank inside its write of step 18's checkpoint
+    job.kill()
+    job.log.close()
+    assert checkpoints(out) == [step_name(6), step_name(12)], os.listdir(os.path.join(out, "checkpoints"))
+    partial = os.path.join(out, "checkpoints", f".partial-{step_name(18)}")
+    files = os.listdir(partial)  # being written: each rank's shard files, no .metadata yet
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(files) and all(f.endswith(".distcp") for f in files), files
+    assert_nothing_left(job)
+
+    again = torchrun(out, *every, name="held-resumed")
+    assert again.wait() == 0, again.output[-3000:]
+    assert f"deleting {partial}, the partial directory of an interrupted save" in again.output
+    assert f"resuming from {os.path.join(out, 'checkpoints', step_name(12))}: epoch 0, step 12" in again.output
+    assert trajectory(out) == reference["trajectory"]
+    assert_same_model(final_model(out), reference["model"])
 
 
 def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_the_rerun_ends_the_same(tmp_path, reference):
@@ -262,7 +293,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path):
     out = str(tmp_path / "out")
     timeout = 10
     job = torchrun(out, f"dist.timeout_s={timeout}", name="sigstop")
-    wait_for_file(os.path.join(out, "checkpoints", "epoch0001-step000000.pt"), job)
+    wait_for_file(os.path.join(out, "checkpoints", step_name(STEPS)), job)
     stalled = job.workers()[1]
     os.kill(stalled, signal.SIGSTOP)
     t0 = time.monotonic()
@@ -373,6 +404,7 @@ CASES = {
     "more processes than GPUs": 2,
     "port in use, rank 0 hosts the store": 2,
     "checkpoint of another model or config": 2,
+    "one-file checkpoints": 2,
     "no readable checkpoint": 2,
     "corrupt newest checkpoint": 0,
 }
@@ -452,7 +484,7 @@ def test_checkpoint_of_another_model_or_config(tmp_path, capsys):
     capsys.readouterr()
     assert run_launch(tmp_path, "model.width=8", "train.lr=0.3") == CASES["checkpoint of another model or config"]
     text = capsys.readouterr().err
-    assert "error: checkpoint " in text and "is from another model or config" in text
+    assert "error: checkpoint " in text and "is from another model or settings" in text
     assert (
         "model.width: checkpoint has 4, this run has 8" in text
         and "train.lr: checkpoint has 0.2, this run has 0.3" in text
@@ -460,19 +492,38 @@ def test_checkpoint_of_another_model_or_config(tmp_path, capsys):
     assert run_launch(tmp_path, "model.width=8", "train.lr=0.3", "run.resume=false") == 0  # start over
 
 
+def test_one_file_checkpoints(tmp_path, capsys):
+    """distlib.Checkpointer's format in the run's checkpoints directory: named, not loaded."""
+    model = torch.nn.Linear(2, 2)
+    directory = tmp_path / "out" / "checkpoints"
+    distlib.Checkpointer(str(directory)).save({"model": model}, epoch=3, step=0, global_step=3, fingerprint={})
+    assert run_launch(tmp_path) == CASES["one-file checkpoints"]
+    err = capsys.readouterr().err
+    assert f"error: {directory} holds one-file checkpoints (epoch0003-step000000.pt)" in err, err
+    assert run_launch(tmp_path, "run.resume=false") == 0
+    assert sorted(os.listdir(directory)) == checkpoints(tmp_path / "out")  # the one-file one deleted
+
+
 def test_corrupt_checkpoints(tmp_path, distlib_log, capsys):
+    """A checkpoint with a truncated shard file, or one whose bytes changed (the records' CRC-32s), is
+    skipped for the previous one; none usable stops the resume."""
     first = ("train.epochs=2", "run.checkpoint_every=1")
     assert run_launch(tmp_path, *first) == 0
-    newest, older = sorted((tmp_path / "out" / "checkpoints").iterdir(), reverse=True)
-    newest.write_bytes(newest.read_bytes()[:1000])
+    directory = tmp_path / "out" / "checkpoints"
+    older, newest = (directory / name for name in checkpoints(tmp_path / "out"))
+    shard = newest / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
     assert run_launch(tmp_path, *first) == CASES["corrupt newest checkpoint"]
-    assert any(m.startswith("resuming from the older checkpoint") for m in distlib_log)
+    assert any(m.startswith("skipping checkpoint: ") and "has 1000 bytes" in m for m in distlib_log), distlib_log
+    assert f"resuming from the older checkpoint {older}" in distlib_log
     assert [r["epoch"] for r in metrics(str(tmp_path / "out"))] == [1, 2]
-    for p in (tmp_path / "out" / "checkpoints").iterdir():
-        p.write_bytes(p.read_bytes()[:1000])
+    assert checkpoints(tmp_path / "out") == [older.name, newest.name]  # the damaged one saved again
+    for step in (older, newest):
+        flip_a_tensor_byte(str(step), "__0_0.distcp")  # the size the same, a record's CRC-32 not
     assert run_launch(tmp_path, *first) == CASES["no readable checkpoint"]
     err = capsys.readouterr().err
-    assert "error: none of the 2 checkpoint(s) in" in err and "is usable" in err
+    assert "error: none of the 2 committed checkpoint(s) in" in err and "is usable" in err
+    assert sum(m.startswith("skipping checkpoint: ") and "checksum mismatch" in m for m in distlib_log) == 2
 
 
 def test_the_docs_table_matches_these_tests():
@@ -502,7 +553,7 @@ NCCL = ["dist.backend=nccl"]
 def test_gpu_a_killed_worker_is_restarted_and_resumes(tmp_path):
     out = str(tmp_path / "out")
     job = torchrun(out, extra=("--max-restarts=1",), name="gpu-killed", device=NCCL)
-    wait_for_file(os.path.join(out, "checkpoints", "epoch0001-step000000.pt"), job)
+    wait_for_file(os.path.join(out, "checkpoints", step_name(STEPS)), job)
     os.kill(job.workers()[1], signal.SIGKILL)
     assert job.wait() == 0, job.output[-4000:]
     assert "backend=nccl" in job.output and "resuming from" in job.output
@@ -531,7 +582,7 @@ def test_gpu_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
     out = str(tmp_path / "out")
     timeout = 20
     job = torchrun(out, f"dist.timeout_s={timeout}", "train.epochs=30", name="gpu-sigstop", device=NCCL)
-    wait_for_file(os.path.join(out, "checkpoints", "epoch0001-step000000.pt"), job)
+    wait_for_file(os.path.join(out, "checkpoints", step_name(STEPS)), job)
     stalled = job.workers()[1]
     os.kill(stalled, signal.SIGSTOP)
     t0 = time.monotonic()

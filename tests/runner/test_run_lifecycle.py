@@ -16,12 +16,13 @@ import time
 import pytest
 
 from tests.conftest import ROOT
-from tests.runner.conftest import TORCHRUN_VARS
+from tests.runner.conftest import TORCHRUN_VARS, checkpoints, step_name
 
 RUN = [
     "recipes/demo.yaml", "train.epochs=2", "data.train_subset=2048", "model.width=8",
     "run.checkpoint_every=1", "dist.backend=gloo", "run.progress=plain",
 ]  # fmt: skip
+STEPS = 16  # an epoch's, of 2,048 images in batches of 128
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +35,6 @@ def env() -> dict:
 def launch(out_dir, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "launch.py", *RUN, f"run.out_dir={out_dir}", *overrides]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-
-
-def checkpoints(out_dir) -> list[str]:
-    return sorted(os.listdir(os.path.join(out_dir, "checkpoints")))
 
 
 def epochs(out_dir) -> list[int]:
@@ -53,7 +50,7 @@ def test_sigterm_exits_143_then_the_run_continues_finishes_and_has_nothing_left(
         cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        first = os.path.join(out, "checkpoints", "epoch0001-step000000.pt")
+        first = os.path.join(out, "checkpoints", step_name(STEPS))  # epoch 1's, committed
         end = time.monotonic() + 240
         while not os.path.exists(first) and proc.poll() is None and time.monotonic() < end:
             time.sleep(0.05)
@@ -68,14 +65,14 @@ def test_sigterm_exits_143_then_the_run_continues_finishes_and_has_nothing_left(
     m = re.search(r"stopped by SIGTERM at epoch (\d+) step (\d+); checkpoint saved in", text)
     assert m, text[-3000:]
     epoch, step = int(m.group(1)), int(m.group(2))
-    assert f"epoch{epoch - 1:04d}-step{step:06d}.pt" in checkpoints(out)  # the stop's own checkpoint
-    assert "epoch0002-step000000.pt" not in checkpoints(out)
+    assert step_name((epoch - 1) * STEPS + step) in checkpoints(out)  # the stop's own checkpoint
+    assert step_name(2 * STEPS) not in checkpoints(out)
 
     again = launch(out)  # the same command continues
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from" in again.stderr
     assert epochs(out) == [1, 2]
-    assert checkpoints(out)[-1] == "epoch0002-step000000.pt"
+    assert checkpoints(out)[-1] == step_name(2 * STEPS)
 
     metrics_before = open(os.path.join(out, "metrics.jsonl")).read()
     ckpts_before = {p: os.path.getmtime(os.path.join(out, "checkpoints", p)) for p in checkpoints(out)}
@@ -89,5 +86,5 @@ def test_sigterm_exits_143_then_the_run_continues_finishes_and_has_nothing_left(
     fresh = launch(out, "run.resume=false", "train.epochs=1")  # starts over: the old checkpoints go
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert "deleted the old checkpoints" in fresh.stderr
-    assert checkpoints(out) == ["epoch0001-step000000.pt"]
+    assert os.listdir(os.path.join(out, "checkpoints")) == [step_name(STEPS)]
     assert epochs(out) == [1]

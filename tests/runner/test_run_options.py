@@ -4,10 +4,9 @@ ignored from one that is followed."""
 
 from __future__ import annotations
 
-import os
-
 import distlib
 from distlib.runner.config import load_config
+from tests.runner.conftest import checkpoints, step_name
 from tests.runner.test_trainer import DEMO, built
 
 
@@ -19,4 +18,4 @@ def test_keep_checkpoints_reaches_the_checkpointer(tmp_path, world_size_1):
     with built(cfg, distlib.init("gloo")) as trainer:
         assert trainer.fit() == 0
     # three saves (one an epoch), the newest two kept
-    assert sorted(os.listdir(out / "checkpoints")) == ["epoch0002-step000000.pt", "epoch0003-step000000.pt"]
+    assert checkpoints(out) == [step_name(2), step_name(3)]  # one step an epoch

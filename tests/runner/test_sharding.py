@@ -1,10 +1,11 @@
 """dist.shard in the runner: the model is built with the same weights (and leaves the same random
 state) in every mode at world size 1, 2 and 3; the GPT demo and the image demo's BatchNorm CNN train
 to the same losses, step by step, replicated, with optimizer sharding and with full sharding, at
-one, two and three gloo ranks (AdamW and SGD, clipped or not, with accumulation); a
-sharded run stopped mid-epoch resumes exactly at the same and at another world size (its step
+one, two and three gloo ranks (AdamW and SGD, clipped or not, with accumulation); a run
+stopped mid-epoch resumes exactly at the same and at another world size in every mode (its step
 position, data order and each rank's loss sum included); a checkpoint of one dist.shard is not
-taken for another's; the combinations that cannot work are ConfigErrors naming the key and the fix.
+taken for another's, one-file checkpoints are refused by name, and so is a checkpoint directory
+that not every rank sees; the combinations that cannot work are ConfigErrors naming the key and the fix.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import pytest
 import torch
 
 import distlib
-from distlib.checkpoint.checkpointer import CheckpointError
+from distlib.checkpoint.checkpointer import CheckpointError, fingerprint
 from distlib.runner.config import ConfigError, load_config
 from distlib.runner.trainer import Trainer
 from tests.conftest import ROOT, run_ranks
+from tests.runner.conftest import checkpoints, step_name
 from tests.runner.test_e2e import launch
 from tests.runner.test_trainer import built, metrics
 
@@ -275,10 +277,8 @@ def _stopped(ctx, shard: str, out_dir: str) -> int:
         Trainer.train_step = step
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "full"])
-def test_a_sharded_run_stopped_mid_epoch_resumes_exactly_at_the_same_and_another_world_size(
-    tmp_path, shard, world_size_1
-):
+@pytest.mark.parametrize("shard", ["none", "optimizer", "full"])
+def test_a_run_stopped_mid_epoch_resumes_exactly_at_the_same_and_another_world_size(tmp_path, shard, world_size_1):
     """The losses after the resume equal the uninterrupted run's (at one rank: the mean of the two
     ranks' losses, the loss of the whole global batch), and so does the epoch's training loss,
     which sums each rank's losses from before the stop (kept per rank in the checkpoint)."""
@@ -314,22 +314,52 @@ def _train(out_dir, *overrides: str) -> None:
         assert trainer.fit() == 0
 
 
-@pytest.mark.parametrize(
-    ("saved", "resumed", "says"),
-    [
-        ("none", "optimizer", "replicated (dist.shard=none)"),
-        ("optimizer", "none", "sharded (dist.shard=optimizer or full)"),
-        ("optimizer", "full", "dist.shard: checkpoint has 'optimizer', this run has 'full'"),
-    ],
-)
-def test_a_checkpoint_is_resumed_only_with_the_dist_shard_that_saved_it(tmp_path, world_size_1, saved, resumed,
-                                                                        says):  # fmt: skip
+@pytest.mark.parametrize(("saved", "resumed"), [("none", "optimizer"), ("optimizer", "none"), ("optimizer", "full")])
+def test_a_checkpoint_is_resumed_only_with_the_dist_shard_that_saved_it(tmp_path, world_size_1, saved, resumed):
     _train(tmp_path, f"dist.shard={saved}")
     with pytest.raises(CheckpointError, match="run.resume=false|another run.out_dir") as e:
         _train(tmp_path, f"dist.shard={resumed}")
-    assert says in str(e.value)
+    assert f"dist.shard: checkpoint has {saved!r}, this run has {resumed!r}" in str(e.value)
     _train(tmp_path, f"dist.shard={resumed}", "run.resume=false")  # deletes them and trains afresh
-    assert len(os.listdir(tmp_path / "checkpoints")) == 1
+    assert os.listdir(tmp_path / "checkpoints") == [step_name(8)]
+
+
+def test_one_file_checkpoints_are_refused_by_name_and_run_resume_false_deletes_them(tmp_path, world_size_1):
+    """A run directory that holds distlib.Checkpointer's one-file checkpoints (which the runner no longer
+    loads), beside a sharded one or not: the resume stops and says what they are and what to do."""
+    _train(tmp_path)
+    model = torch.nn.Linear(2, 2)
+    one_file = distlib.Checkpointer(str(tmp_path / "checkpoints"))
+    one_file.save({"model": model}, epoch=3, step=0, global_step=24, fingerprint=fingerprint(model))
+    with pytest.raises(CheckpointError) as e:
+        _train(tmp_path)
+    said = str(e.value)
+    assert "holds one-file checkpoints (epoch0003-step000000.pt)" in said and "distlib.Checkpointer" in said
+    assert "run.resume=false" in said and "another run.out_dir" in said
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["epoch0003-step000000.pt", step_name(8)]  # untouched
+    _train(tmp_path, "run.resume=false")
+    assert os.listdir(tmp_path / "checkpoints") == [step_name(8)]  # both kinds deleted, then the new one saved
+
+
+def _resume_in(ctx, directories: list[str]) -> str:
+    from distlib.runner.checkpoints import build_checkpoints
+
+    settings = {"settings": {}}
+    ckpts = build_checkpoints(directories[ctx.rank], {"train_state": {}}, shard="none", fingerprint=settings, keep=1)
+    with pytest.raises(CheckpointError) as e:
+        ckpts.resume(enabled=True)
+    return str(e.value)
+
+
+def test_a_checkpoint_directory_that_not_every_rank_sees_is_refused(tmp_path):
+    """Every rank writes its part of each checkpoint into the directory: a rank that does not see rank 0's
+    (run.out_dir relative to another working directory, or not on a shared file system) stops the run."""
+    directories = [str(tmp_path / "rank0"), str(tmp_path / "rank1")]
+    said = run_ranks(_resume_in, 2, directories)
+    assert said[0] == said[1]
+    assert said[0].startswith(f"rank(s) 1 do not see the checkpoint directory of rank 0, {directories[0]}"), said
+    assert "a file system every node shares" in said[0]
+    assert os.listdir(directories[0]) == [] and not os.path.exists(directories[1])  # nothing left behind
 
 
 # ---- GPUs ----------------------------------------------------------------------------------------------
@@ -371,12 +401,7 @@ def test_the_gpt_demo_trains_on_two_gpus_in_each_shard_mode(tmp_path, shard, ove
     assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.15 and rows[0]["val_loss"] < 3.0, rows
     assert all(len(row["peak_mem_gib"]) == 2 for row in rows)
     # the last checkpoint's epoch trained again at one GPU from the one before: 2 -> 1
-    ckpts = sorted(os.listdir(out / "checkpoints"))
-    last = out / "checkpoints" / ckpts[-1]
-    if last.is_dir():  # sharded: a directory of every rank's files
-        shutil.rmtree(last)
-    else:
-        last.unlink()
+    shutil.rmtree(out / "checkpoints" / checkpoints(out)[-1])
     launch(args, nproc=1, timeout=400)
     again = metrics(out)
     assert again[-1]["world_size"] == 1

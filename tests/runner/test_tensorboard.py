@@ -4,12 +4,14 @@ reads back as the run's metrics; without the package the key is a ConfigError na
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
 from distlib.runner import config
 from distlib.runner.config import ConfigError, load_config
 from tests.conftest import ROOT, run_ranks
+from tests.runner.conftest import checkpoints
 from tests.runner.test_trainer import metrics
 
 DEMO = os.path.join(ROOT, "recipes", "gpt_demo.yaml")
@@ -58,9 +60,9 @@ def test_a_resume_from_an_older_checkpoint_leaves_one_point_per_step(tmp_path):
 
     out = tmp_path / "tb"
     run_ranks(_train_3_epochs, 1, str(out), timeout=180)
-    ckpts = sorted((out / "checkpoints").iterdir(), key=os.path.getmtime)
+    ckpts = checkpoints(out)
     assert len(ckpts) == 3, ckpts
-    ckpts[-1].unlink()  # the newest (epoch 3) gone: the rerun resumes from epoch 2
+    shutil.rmtree(out / "checkpoints" / ckpts[-1])  # the newest (epoch 3) gone: the rerun resumes from epoch 2
     run_ranks(_train_3_epochs, 1, str(out), timeout=180)
     acc = EventAccumulator(str(out))
     acc.Reload()

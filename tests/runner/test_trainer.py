@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 from collections.abc import Iterator
 
@@ -26,6 +27,7 @@ from distlib.runner.device_loader import DeviceLoader
 from distlib.runner.models import small_cnn
 from distlib.runner.trainer import Trainer
 from tests.conftest import ROOT, run_ranks
+from tests.runner.conftest import checkpoints, saved, step_name
 
 SMALL = ["train.epochs=2", "data.train_subset=256", "model.width=4", "run.checkpoint_every=1", "run.progress=plain"]
 DEMO = os.path.join(ROOT, "recipes", "demo.yaml")
@@ -72,7 +74,7 @@ def test_a_resumed_run_shows_the_epochs_it_trains(tmp_path, world_size_1):
     first, _ = train(str(out))
     steps = len(first.loader)
     rows = metrics(out)
-    os.unlink(out / "checkpoints" / "epoch0002-step000000.pt")  # as if it had died in epoch 2
+    shutil.rmtree(out / "checkpoints" / step_name(2 * steps))  # as if it had died in epoch 2
 
     resumed, lines = train(str(out))
     assert resumed.progress.total_steps == resumed.progress.done == steps  # epoch 2 only
@@ -90,16 +92,17 @@ def test_a_resumed_run_shows_the_epochs_it_trains(tmp_path, world_size_1):
 def test_the_train_state_is_saved_typed_and_restored(tmp_path, world_size_1):
     out = tmp_path / "out"
     first, _ = train(str(out))
-    payload = torch.load(out / "checkpoints" / "epoch0001-step000000.pt", weights_only=True)
-    saved = payload["state"]["train_state"]
-    assert set(saved) == {"epoch", "step", "train_s", "elapsed_s", "epoch_s"} and saved["epoch"] == 1
-    assert 0 < saved["train_s"] <= saved["elapsed_s"]
+    steps = len(first.loader)
+    payload = saved(out, steps)  # epoch 1's
+    state = payload["train_state"]
+    assert set(state) == {"epoch", "step", "train_s", "elapsed_s", "epoch_s"} and state["epoch"] == 1
+    assert 0 < state["train_s"] <= state["elapsed_s"]
     assert set(payload["ranks"][0]["states"]["train_state"]) == {"loss_sum"}  # per rank
-    assert payload["extra"] == {}  # no string-keyed values on the side
+    assert set(payload) == {"model", "optimizer", "scheduler", "train_state", "ranks"}  # nothing on the side
 
-    os.unlink(out / "checkpoints" / "epoch0002-step000000.pt")
+    shutil.rmtree(out / "checkpoints" / step_name(2 * steps))
     resumed, _ = train(str(out), fit=False)
-    assert resumed.state.state_dict() == saved  # the clocks continue from where they were
+    assert resumed.state.state_dict() == state  # the clocks continue from where they were
 
 
 def _launch(tmp_path) -> int:
@@ -202,10 +205,7 @@ def test_training_is_a_plain_torch_loop_with_the_recipes_settings(tmp_path, worl
         assert trainer.fit() == 0
     rows = metrics(tmp_path / "out")
     assert [r["epoch"] for r in rows] == [1, 2, 3]
-    assert sorted(os.listdir(tmp_path / "out" / "checkpoints")) == [
-        "epoch0002-step000000.pt",
-        "epoch0003-step000000.pt",
-    ]
+    assert checkpoints(tmp_path / "out") == [step_name(16), step_name(24)]  # epoch 2's and 3's, of 8 steps
 
     # the data: the first 1,024 training images (3 classes), normalized with their own per-channel statistics,
     # in the order and with the augmentation that train.seed gives
@@ -297,14 +297,13 @@ def test_a_run_stopped_by_sigterm_mid_epoch_exits_143_and_resumes_to_the_same_ro
     monkeypatch.setattr(Trainer, "train_step", signalled_after_11_steps)
     out = tmp_path / "out"
     assert _launch_run(out) == 128 + signal.SIGTERM
-    assert sorted(os.listdir(out / "checkpoints")) == ["epoch0001-step000000.pt", "epoch0001-step000003.pt"]
+    assert checkpoints(out) == [step_name(8), step_name(11)]  # epoch 1's, and the stop's at epoch 2 step 3
     assert trajectory(metrics(out)) == trajectory(reference[:1])
     monkeypatch.undo()
 
     assert _launch_run(out) == 0  # the same command continues at epoch 2, step 3
     assert trajectory(metrics(out)) == trajectory(reference)
-    final = "epoch0003-step000000.pt"
-    a, b = (torch.load(d / "checkpoints" / final, weights_only=True)["state"]["model"] for d in (tmp_path / "ref", out))
+    a, b = (saved(d, 24)["model"] for d in (tmp_path / "ref", out))  # the final checkpoint's
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
