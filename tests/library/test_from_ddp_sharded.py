@@ -8,7 +8,7 @@
 - torch's FSDP2 example loop (``fully_shard`` per block then the root, Adam) with torch's clipping,
   against its port to ``distlib.shard_model`` + ``FSDPSync``, saved and resumed halfway.
 
-The ports follow the page's idioms literally; each step's loss equals the original's (<= 1e-6).
+The ports follow the page's idioms literally; each step's loss equals the original's (relative difference <= 1e-6).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tests.conftest import run_ranks
 
 VOCAB, SEQ, WIDTH, HEADS, LAYERS = 32, 8, 16, 2, 2
 STEPS, SAVE_AT, ACCUM = 4, 2, 2
-BOUND = 1e-6
+BOUND = 1e-6  # relative: a few fp32 ulps at a loss of 10 (the summation order of gloo's reductions)
 
 
 class Block(nn.Module):
@@ -134,7 +134,7 @@ def _zero_case(ctx, directory: str) -> tuple[list[float], list[float]]:
 
 def test_zero_redundancy_gpt_loop_ported_to_optimizer_sharding(tmp_path):
     for original, port in run_ranks(_zero_case, 2, str(tmp_path)):
-        assert max(abs(a - b) for a, b in zip(original, port, strict=True)) <= BOUND, (original, port)
+        assert max(abs(a - b) / abs(a) for a, b in zip(original, port, strict=True)) <= BOUND, (original, port)
 
 
 # ---- torch's FSDP2 example --------------------------------------------------------------------
@@ -189,4 +189,4 @@ def _fsdp2_case(ctx, directory: str) -> tuple[list[float], list[float]]:
 
 def test_fsdp2_example_loop_ported_to_shard_model(tmp_path):
     for original, port in run_ranks(_fsdp2_case, 2, str(tmp_path)):
-        assert max(abs(a - b) for a, b in zip(original, port, strict=True)) <= BOUND, (original, port)
+        assert max(abs(a - b) / abs(a) for a, b in zip(original, port, strict=True)) <= BOUND, (original, port)
