@@ -17,10 +17,11 @@ Parts (``--parts``, default ``anchors,runner,ac``):
   peak memory, and the final checkpoint (the synchronous save of the cold run).
 - ``anchors``: in this process, the same model built directly on the GPU
   (``with torch.device("cuda"): GPT(cfg)``), ``torch.save`` of its weights and AdamW state (fsynced),
-  ``ShardedCheckpointer.save`` of the same (synchronous), then two ``save(async_=True)`` (the first
-  page-locks its host copy, the second reuses it): how long each blocks, and how much slower the
-  three steps after it are (the copy to the host competes); then ``bench.gpt_step single-compile``
-  (the plain one-GPU ``torch.compile`` loop) in a subprocess.
+  ``ShardedCheckpointer.save`` of the same (synchronous), then for each ``staging`` (``device``,
+  ``host``) two ``save(async_=True)`` (the first of a process takes its host copy, which ``host``
+  page-locks; the second reuses it): how long each blocks, and how much slower than a step without a
+  save the steps are that run until its write is done (the copies and the write compete); then
+  ``bench.gpt_step single-compile`` (the plain one-GPU ``torch.compile`` loop) in a subprocess.
 - ``ac``: the GPT of ``--ac-size`` (32 × 4096) at ``--ac-seq-len`` (4096) tokens: for each
   ``train.activation_checkpointing`` mode, each batch of ``--ac-batches`` in a fresh process (one
   GPU, eager blocks unless ``--ac-compile``, bf16, fused AdamW, two steps) until one runs out of
@@ -257,18 +258,25 @@ def run_anchors(args: argparse.Namespace, base: str, rows: list[dict]) -> None:
     row = {"part": "anchors", "mode": "plain", "build_s": round(build_s, 3), "torch_save_s": round(save_s, 2),
            "sharded_save_s": round(sharded_s, 2), "checkpoint_gib": round(size_gib, 2),
            "step_ms": round(normal * 1e3, 1)}  # fmt: skip
-    # two asynchronous saves: the first page-locks the host copy it stages into, the next reuse it
-    for key, step_no in (("async", 2), ("async2", 3)):
-        t0 = time.perf_counter()
-        ckpt.save(step_no, objects, async_=True)
-        blocked_s = time.perf_counter() - t0
-        during = [step() for _ in range(3)]
-        t0 = time.perf_counter()
-        ckpt.wait()  # the rest of the write and the commit
-        rest_s = time.perf_counter() - t0
-        row |= {f"{key}_blocked_s": round(blocked_s, 3),
-                f"{key}_stall_s": round(blocked_s + sum(max(0.0, d - normal) for d in during), 3),
-                f"{key}_write_after_s": round(rest_s, 2)}  # fmt: skip
+    ckpt.close()
+    # per staging, two asynchronous saves (the first of a process takes its host copy, page-locked for
+    # "host"; the next reuse it): what each blocks, and how much slower than ``normal`` the steps that
+    # run until its write is done are, each cost to training
+    for staging in ("device", "host"):
+        ckpt = distlib.ShardedCheckpointer(os.path.join(base, "anchor-dcp"), keep=1, staging=staging)
+        for key, step_no in ((f"{staging}_async", 2), (f"{staging}_async2", 3)):
+            t0 = time.perf_counter()
+            ckpt.save(step_no, objects, async_=True)
+            blocked_s = time.perf_counter() - t0
+            during = [step()]
+            while not ckpt.written() and len(during) < 400:
+                during.append(step())
+            t0 = time.perf_counter()
+            ckpt.wait()  # the rest of the write and the commit
+            rest_s = time.perf_counter() - t0
+            row |= {f"{key}_blocked_s": round(blocked_s, 3), f"{key}_steps": len(during),
+                    f"{key}_stall_s": round(blocked_s + sum(max(0.0, d - normal) for d in during), 3),
+                    f"{key}_write_s": round(sum(during) + rest_s, 2)}  # fmt: skip
     ckpt.close()
     emit(args, row, rows)
     model = opt = ckpt = objects = None  # freed before the compile loop runs in its own process
@@ -380,12 +388,11 @@ def table(rows: list[dict]) -> str:
                 f"| `torch.save` of model + AdamW ({_f(plain.get('checkpoint_gib'))} GiB, fsynced) | "
                 f"{_f(plain.get('torch_save_s'))} s |",
                 f"| `ShardedCheckpointer.save` (synchronous) | {_f(plain.get('sharded_save_s'))} s |",
-                f"| `ShardedCheckpointer.save(async_=True)`, first: blocked / cost to training / write after | "
-                f"{_f(plain.get('async_blocked_s'), 2)} / {_f(plain.get('async_stall_s'), 2)} / "
-                f"{_f(plain.get('async_write_after_s'))} s |",
-                f"| the same, second save: blocked / cost to training / write after | "
-                f"{_f(plain.get('async2_blocked_s'), 2)} / {_f(plain.get('async2_stall_s'), 2)} / "
-                f"{_f(plain.get('async2_write_after_s'))} s |",
+                *(f"| `save(async_=True)`, staging={staging}, {which}: blocked / cost to training / written in | "
+                  f"{_f(plain.get(f'{staging}_{key}_blocked_s'), 2)} / "
+                  f"{_f(plain.get(f'{staging}_{key}_stall_s'), 2)} / "
+                  f"{_f(plain.get(f'{staging}_{key}_write_s'))} s |"
+                  for staging in ("device", "host") for key, which in (("async", "first"), ("async2", "second"))),
                 f"| `bench.gpt_step single-compile` | {_f(loop.get('tokens_per_s'), 0)} tokens/s, {mfu}, "
                 f"{_f(loop.get('peak_mem_gib'))} GiB {loop.get('note') or ''} |"]  # fmt: skip
     ac = [r for r in rows if r.get("part") == "ac"]

@@ -51,6 +51,7 @@ _NAME = re.compile(r"^step(\d{9})$")
 # holds its hooks weakly, and a save must not be lost with a checkpointer the caller let go of)
 _IN_FLIGHT: set[ShardedCheckpointer] = set()
 _PARTIAL = re.compile(r"^\.partial-step(\d{9})$")
+STAGING = ("auto", "device", "host")
 
 
 # DCP warns on every save and load without a process group that it assumes one process: world size 1 is
@@ -157,24 +158,32 @@ def _host_tensors(state: Any) -> list[torch.Tensor]:
     return [_local(state)]
 
 
-def _stage_into(state: Any, host: Any, buffers: set[int], stream: Any) -> Any:
-    """``state`` with every tensor copied into its counterpart of ``host`` (the same structure), and
-    the other values as they are now. On a GPU the copies are asynchronous: on ``stream``, except
-    those of module buffers (``buffers``: their data pointers; a state_dict holds detached tensors), on
-    the current stream, ordered before the next forward."""
+def _stage_into(state: Any, host: Any, copy: Callable[[torch.Tensor, torch.Tensor], None]) -> Any:
+    """``state`` with its tensors replaced by their counterparts in ``host`` (the same structure), each
+    filled by ``copy(source, target)`` (local tensors: a DTensor's, a ShardedTensor's shard), and its
+    other values as they are now."""
     if isinstance(state, Mapping):
-        return {k: _stage_into(v, host[k], buffers, stream) for k, v in state.items()}
+        return {k: _stage_into(v, host[k], copy) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(_stage_into(v, h, buffers, stream) for v, h in zip(state, host))
+        return type(state)(_stage_into(v, h, copy) for v, h in zip(state, host))
     if not isinstance(state, torch.Tensor):
         return state
-    source, target = _local(state), _local(host)
-    if stream is None or not source.is_cuda or source.data_ptr() in buffers:
-        target.copy_(source, non_blocking=source.is_cuda)
-    else:
-        with torch.cuda.stream(stream):
-            target.copy_(source, non_blocking=True)
+    copy(_local(state), _local(host))
     return host
+
+
+def _device_bytes(layout: list[Any]) -> int:
+    return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype, device in layout if device.type == "cuda")
+
+
+def _room_on_device(layout: list[Any]) -> bool:
+    """Whether the GPU's memory outside torch's cache holds a copy of the state's GPU tensors with 10% and
+    1 GiB to spare: by the first save the cache holds what the training's steps take at their peak, so
+    a copy there takes nothing the steps need."""
+    devices = {device for *_, device in layout if device.type == "cuda"}
+    need = _device_bytes(layout)
+    free = min(torch.cuda.mem_get_info(device)[0] for device in devices)
+    return free >= need * 1.1 + 2**30
 
 
 def _owner(opt: Any, objects: Mapping[str, Any]) -> nn.Module | None:
@@ -313,7 +322,13 @@ class ShardedCheckpointer:
     directory must be one every rank sees (a shared file system across nodes). ``settings``: plain
     values that must be equal for a checkpoint to be valid for this run (like ``fingerprint``'s).
     ``write_threads``: files each rank writes at once (each thread copies its share from the GPU and
-    writes it; 8 write at disk speed where one is at half of it).
+    writes it; 8 write at disk speed where one is at half of it). ``staging``: where an asynchronous
+    save copies GPU state before its background write (docs/reliability.md): ``"device"``, into spare
+    GPU memory (a copy at the GPU's memory speed: the training waits milliseconds; the background
+    thread then copies it to host memory and frees it); ``"host"``, into page-locked host memory kept
+    between saves (the first save page-locks it, about 2.3 GB/s, once per process); ``"auto"``, the
+    device when its memory outside torch's cache holds the copy with 10% and 1 GiB to spare at the
+    first save of a layout, else the host.
 
     ``save``, ``wait``, ``resume`` and ``close`` are collectives: every rank must call them, in the
     same order.
@@ -327,18 +342,23 @@ class ShardedCheckpointer:
         settings: Mapping[str, Any] | None = None,
         verify: bool = True,
         write_threads: int = 8,
+        staging: str = "auto",
     ):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         if write_threads < 1:
             raise ValueError(f"write_threads must be >= 1, got {write_threads}")
+        if staging not in STAGING:
+            raise ValueError(f"staging must be one of {', '.join(STAGING)}, got {staging!r}")
         self.write_threads = write_threads
+        self.staging = staging
         self.directory = directory
         self.keep = keep
         self.settings = dict(settings or {})
         self.verify = verify
         self._group: dist.ProcessGroup | None = None
-        self._staging: tuple[dict[str, Any], list[Any]] | None = None  # the host copy of the state, for this layout
+        # the host copy of the state for this layout, and whether its GPU tensors are staged on the device first
+        self._staging: tuple[dict[str, Any], list[Any], bool] | None = None
         self._stream: Any = None  # the CUDA stream that stages
         self._staged_event: Any = None  # recorded on it after the copies of the save in flight
         self._hooked: set[int] = set()  # the optimizers whose step waits for staging
@@ -423,11 +443,16 @@ class ShardedCheckpointer:
         state = _state_dicts(objects)
         files: dict[str, Any] = {}
         if async_:
-            staged = self._stage(state, objects)
+            staged, on_device = self._stage(state, objects)
 
             def write() -> None:  # off the training thread: the write, DCP's finish step, the files' sizes
                 try:
-                    if self._staged_event is not None:
+                    if on_device:  # the device copy to the host, on the staging stream, then freed
+                        with torch.cuda.stream(self._stream):
+                            while on_device:
+                                source, target = on_device.pop()
+                                target.copy_(source)  # pageable memory: returns once copied
+                    elif self._staged_event is not None:
                         self._staged_event.synchronize()
                     dcp.save(staged, storage_writer=self._writer(partial), process_group=self._pg())
                     files.update(_own_files(partial, rank))
@@ -455,34 +480,52 @@ class ShardedCheckpointer:
         with 1 thread, 18.5 s with 4, 15.5 s with 8; ``torch.save`` 35.7 s)."""
         return dcp.FileSystemWriter(partial, thread_count=self.write_threads)
 
-    def _stage(self, state: dict[str, Any], objects: Mapping[str, Any]) -> dict[str, Any]:
-        """A host copy of ``state`` for the background write: pinned memory on a GPU machine, kept and
-        reused while the layout stays the same (staging then copies, never allocates).
+    def _stage(self, state: dict[str, Any], objects: Mapping[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+        """A copy of ``state`` for the background write, and the device-to-host copies left to the write
+        (``(device copy, host tensor)`` pairs, ``staging="device"``). The host copy is kept and reused while
+        the layout stays the same (staging then copies, never allocates).
 
         On a GPU the copies run on a stream of their own and this returns at once: the next
         ``optimizer.step()`` of an optimizer among ``objects`` (through a step pre-hook), and the write,
         wait for them; the forward and backward in between run meanwhile (they change no saved tensor
-        but buffers, and buffers are copied on the current stream, before the next forward). On the
-        CPU the copy is made here, into plain host memory.
+        but buffers, and buffers are copied on the current stream, before the next forward). Staged on
+        the device, the copies are device-to-device (the state's size at the GPU's memory speed), and
+        the write's thread copies them on to the host; staged on the host, they go straight into
+        page-locked memory (at the link's speed). On the CPU the copy is made here, into plain memory.
         """
         from torch.distributed._state_dict_utils import _create_cpu_state_dict
 
         layout = _layout(state)
+        cuda = any(device.type == "cuda" for *_, device in layout)
         if self._staging is None or self._staging[1] != layout:
             self._staging = None  # the old copy's memory goes back before the new one is taken
+            on_device = cuda and (self.staging == "device" or (self.staging == "auto" and _room_on_device(layout)))
             host = _create_cpu_state_dict(state)
-            if any(device.type == "cuda" for *_, device in layout):
+            if cuda and not on_device:
                 pin_in_place(_host_tensors(host))  # the staging copies run asynchronously at the link's speed
-            self._staging = (host, layout)
-        host = self._staging[0]
-        if not any(device.type == "cuda" for *_, device in layout):
+            self._staging = (host, layout, on_device)
+        host, _, on_device = self._staging
+        if not cuda:
             self._staged_event = None
-            return _stage_into(state, host, set(), None)
+            return _stage_into(state, host, lambda source, target: target.copy_(source)), []
         buffers = {b.data_ptr() for o in objects.values() if isinstance(o, nn.Module) for b in o.buffers()}
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         self._stream.wait_stream(torch.cuda.current_stream())  # the state as of this step
-        staged = _stage_into(state, host, buffers, self._stream)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def copy(source: torch.Tensor, target: torch.Tensor) -> None:
+            # module buffers (a state_dict holds them detached) on the current stream, before the next forward
+            stream = torch.cuda.current_stream() if source.data_ptr() in buffers else self._stream
+            with torch.cuda.stream(stream):
+                if not source.is_cuda:
+                    target.copy_(source)
+                elif on_device:
+                    pairs.append((source.clone(), target))
+                else:
+                    target.copy_(source, non_blocking=True)
+
+        staged = _stage_into(state, host, copy)
         self._stream.wait_stream(torch.cuda.current_stream())  # the buffers' copies too, nothing later
         self._staged_event = torch.cuda.Event()
         self._staged_event.record(self._stream)
@@ -490,7 +533,7 @@ class ShardedCheckpointer:
             if id(opt) not in self._hooked:
                 self._hooked.add(id(opt))
                 opt.register_step_pre_hook(self._before_step)
-        return staged
+        return staged, pairs
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """An optimizer's step changes the state being staged: its kernels wait for the staging copies

@@ -159,8 +159,9 @@ class RunCheckpoints:
     collectives: every rank must call them, in the same order, and so is ``commit_if_written``."""
 
     def __init__(self, directory: str, objects: Mapping[str, Any], settings: dict[str, Any], *, keep: int,
-                 timeout_s: float = 300.0):  # fmt: skip
+                 timeout_s: float = 300.0, staging: str = "auto"):  # fmt: skip
         self.directory, self.settings, self.keep, self.timeout_s = directory, settings, keep, timeout_s
+        self.staging = staging
         self.ranks = RankStates(objects)
         self.objects = {**objects, "rank_states": self.ranks}
         self._checkpointer: ShardedCheckpointer | None = None
@@ -174,7 +175,8 @@ class RunCheckpoints:
         if self._checkpointer is None:
             from distlib.checkpoint.sharded import ShardedCheckpointer
 
-            self._checkpointer = ShardedCheckpointer(self.directory, keep=self.keep, settings=self.settings)
+            self._checkpointer = ShardedCheckpointer(self.directory, keep=self.keep, settings=self.settings,
+                                                     staging=self.staging)  # fmt: skip
         return self._checkpointer
 
     def resume(self, *, enabled: bool) -> None:
@@ -251,11 +253,12 @@ class RunCheckpoints:
 
 
 def build_checkpoints(directory: str, objects: Mapping[str, Any], *, shard: str, fingerprint: dict[str, Any],
-                      keep: int, timeout_s: float = 300.0) -> RunCheckpoints:  # fmt: skip
+                      keep: int, timeout_s: float = 300.0, staging: str = "auto") -> RunCheckpoints:  # fmt: skip
     """The checkpoints of a run with ``dist.shard=shard``: the settings of ``fingerprint`` and
     dist.shard checked on resume, the tensors' global shapes by ShardedCheckpointer itself.
-    ``timeout_s``: of the collectives that commit a background save (dist.timeout_s)."""
+    ``timeout_s``: of the collectives that commit a background save (dist.timeout_s); ``staging``:
+    ShardedCheckpointer's (run.checkpoint_staging)."""
     # the three modes save the optimizer state in other layouts (whole tensors, flat slices, DTensors of
     # each parameter's shape): dist.shard is part of what a checkpoint is valid for
     settings = {**fingerprint["settings"], "dist.shard": shard}
-    return RunCheckpoints(directory, objects, settings, keep=keep, timeout_s=timeout_s)
+    return RunCheckpoints(directory, objects, settings, keep=keep, timeout_s=timeout_s, staging=staging)

@@ -120,6 +120,9 @@ class RunConfig:
     checkpoint_every: int = 0  # epochs between checkpoints (0 = only at the end)
     checkpoint_every_steps: int = 0  # also a checkpoint every N optimizer steps (global), mid-epoch too; 0 = off
     keep_checkpoints: int = 3
+    # where a periodic (background) save copies the GPU state first: spare GPU memory (training waits
+    # milliseconds), page-locked host memory (the first save page-locks it), or auto: the GPU when it has room
+    checkpoint_staging: Literal["auto", "device", "host"] = "auto"
     resume: bool = True  # continue from the newest checkpoint in out_dir
     progress: Literal["auto", "rich", "plain"] = "auto"  # auto: a live bar on a terminal, plain lines otherwise
     tensorboard: bool = False  # also write TensorBoard event files to out_dir (needs 'distlib[tensorboard]')

@@ -243,7 +243,7 @@ class Trainer:
         self.checkpoints = build_checkpoints(
             os.path.join(self.run.path, "checkpoints"), self.objects, shard=cfg.dist.shard,
             fingerprint=fingerprint(self.model, steps_per_epoch=len(self.loader), **resume_settings(cfg)),
-            keep=cfg.run.keep_checkpoints, timeout_s=cfg.dist.timeout_s,
+            keep=cfg.run.keep_checkpoints, timeout_s=cfg.dist.timeout_s, staging=cfg.run.checkpoint_staging,
         )  # fmt: skip
         self.checkpoints.resume(enabled=cfg.run.resume)  # whether it is complete: the budget's to say
         self.resume_budget()

@@ -508,24 +508,48 @@ def test_an_object_without_state_is_refused(tmp_path):
         ShardedCheckpointer(str(tmp_path)).save(1, {"loader": object()})
 
 
+def test_staging_must_be_one_of_auto_device_host(tmp_path):
+    with pytest.raises(ValueError, match="staging must be one of auto, device, host, got 'gpu'"):
+        ShardedCheckpointer(str(tmp_path), staging="gpu")
+
+
 # ---- GPU ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.gpus(1)
-def test_gpu_world_size_1_save_and_reload(tmp_path):
+@pytest.mark.parametrize("staging", ["device", "host", "auto"])
+def test_gpu_world_size_1_save_and_reload(tmp_path, staging):
+    """An asynchronous save holds the state of its step, wherever it is staged: the steps after it
+    (which change the weights and the optimizer state in place) do not reach the checkpoint."""
     model, opt, sched = build("replicated", seed=0, device="cuda")
     train_step("replicated", model, opt, sched, 1, "cuda")
-    ck = ShardedCheckpointer(str(tmp_path))
+    ck = ShardedCheckpointer(str(tmp_path), staging=staging)
     ck.save(1, objects(model, opt, sched, {"step": 1}), async_=True)
     # a copy: cpu_offload hands back the CPU tensors themselves (AdamW's step), which the next step changes
     expected = copy.deepcopy(full_state(model, opt))
     loss = train_step("replicated", model, opt, sched, 2, "cuda")
+    train_step("replicated", model, opt, sched, 3, "cuda")  # while the write may still run
     ck.close()
+    assert ck._staging[2] is (staging != "host")  # a small state: auto finds room on the device
     fresh, fopt, fsched = build("replicated", seed=1, device="cuda")
     assert ShardedCheckpointer(str(tmp_path)).resume(objects(fresh, fopt, fsched, {})) == 1
     assert_states_equal(full_state(fresh, fopt)[0], expected[0])
     assert_states_equal(full_state(fresh, fopt)[1], expected[1])
     assert train_step("replicated", fresh, fopt, fsched, 2, "cuda") == pytest.approx(loss, rel=1e-6)
+
+
+@pytest.mark.gpus(1)
+def test_gpu_device_staging_gives_its_memory_back_once_written(tmp_path):
+    model, opt, sched = build("replicated", seed=0, device="cuda")
+    train_step("replicated", model, opt, sched, 1, "cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    ck = ShardedCheckpointer(str(tmp_path), staging="device")
+    ck.save(1, objects(model, opt, sched, {"step": 1}), async_=True)
+    state_bytes = sum(p.nbytes for p in model.parameters()) * 3  # weights, exp_avg, exp_avg_sq
+    assert torch.cuda.memory_allocated() - before >= state_bytes  # the copy, on the device
+    ck.wait()
+    assert torch.cuda.memory_allocated() == before and ck.paths()
 
 
 def _save_then_continue_cuda(ctx, kind: str, directory: str):

@@ -318,8 +318,9 @@ def test_scale_parses_its_parts_and_tiny_sizes_and_tables_every_part():
          "to_first_step_s": 24.0, "tokens_per_s": 48500.0, "mfu": 0.504, "peak_mem_gib": 64.7, "final_save_s": 25.0},
         {"part": "runner", "mode": "full", "cache": "warm", "rc": 1, "note": "boom"},
         {"part": "anchors", "mode": "plain", "build_s": 0.38, "torch_save_s": 23.0, "checkpoint_gib": 16.5,
-         "sharded_save_s": 15.5, "async_blocked_s": 6.5, "async_stall_s": 6.9, "async_write_after_s": 14.0,
-         "async2_blocked_s": 0.02, "async2_stall_s": 0.9, "async2_write_after_s": 25.5},
+         "sharded_save_s": 15.5, "host_async_blocked_s": 6.5, "host_async_stall_s": 6.9, "host_async_write_s": 14.0,
+         "host_async2_blocked_s": 0.02, "host_async2_stall_s": 0.9, "host_async2_write_s": 25.5,
+         "device_async_blocked_s": 0.03, "device_async_stall_s": 0.4, "device_async_write_s": 18.0},
         {"part": "anchors", "mode": "single-compile", "tokens_per_s": 48900.0, "mfu": 0.508, "peak_mem_gib": 72.0},
         {"part": "ac", "mode": "full", "size": "6.7B", "seq_len": 4096, "tried": "1: ok, 2: OOM", "max_batch": 1,
          "tokens_per_s": 8000.0, "tflops": 350.0, "peak_mem_gib": 130.0},
@@ -328,8 +329,10 @@ def test_scale_parses_its_parts_and_tiny_sizes_and_tables_every_part():
     assert "| none | cold | 0.40 | 15.3 | 24.0 | 48500 | 50.4% | 64.7 | 25.0 |" in text
     assert "| full | warm | failed: boom |" in text
     assert "| 0.38 s |" in text and "| 15.5 s |" in text and "48900 tokens/s, 50.8%" in text
-    assert "first: blocked / cost to training / write after | 6.50 / 6.90 / 14.0 s |" in text
-    assert "second save: blocked / cost to training / write after | 0.02 / 0.90 / 25.5 s |" in text
+    assert "staging=host, first: blocked / cost to training / written in | 6.50 / 6.90 / 14.0 s |" in text
+    assert "staging=host, second: blocked / cost to training / written in | 0.02 / 0.90 / 25.5 s |" in text
+    assert "staging=device, first: blocked / cost to training / written in | 0.03 / 0.40 / 18.0 s |" in text
+    assert "staging=device, second: blocked / cost to training / written in | — / — / — s |" in text
     assert "| full | 6.7B, seq 4096 | 1 | 8000 | 350.0 | 130.0 | 1: ok, 2: OOM |" in text
 
 
@@ -351,8 +354,10 @@ def test_scale_runs_tiny_on_the_cpu_through_the_runner(tmp_path):
         assert r["final_save_s"] is not None
     anchors = {r["mode"]: r for r in rows if r["part"] == "anchors"}
     assert anchors["plain"]["build_s"] > 0 and anchors["plain"]["torch_save_s"] > 0
-    assert anchors["plain"]["sharded_save_s"] > 0 and anchors["plain"]["async2_blocked_s"] >= 0
-    assert anchors["plain"]["async_blocked_s"] >= 0 and anchors["single-compile"]["tokens_per_s"] > 0
+    assert anchors["plain"]["sharded_save_s"] > 0 and anchors["single-compile"]["tokens_per_s"] > 0
+    for key in ("device_async", "device_async2", "host_async", "host_async2"):
+        assert anchors["plain"][f"{key}_blocked_s"] >= 0 and anchors["plain"][f"{key}_steps"] >= 1
+        assert anchors["plain"][f"{key}_write_s"] > 0
     (ac,) = [r for r in rows if r["part"] == "ac"]
     assert ac["mode"] == "selective" and ac["max_batch"] == 2 and ac["tried"] == "1: ok, 2: ok"
     assert "| optimizer | warm |" in proc.stdout and "| selective |" in proc.stdout
