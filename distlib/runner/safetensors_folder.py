@@ -1,18 +1,34 @@
 """Weights in a Hugging Face folder: ``model.safetensors``, or shards named by
 ``model.safetensors.index.json`` (``weight_map``: tensor name -> file).
 
-``read_into`` copies them into a module whose parameters are whole or sharded (FSDP2's DTensors):
-each rank reads, with ``safe_open`` and ``get_slice``, only the rows its shards hold, so no rank
-ever holds the whole state dict. Tensor names are the module's own state-dict names; a parameter
-shared by several names (tied embeddings) is read once, under whichever name the files have.
+``read_into`` copies them into a module whose parameters are whole or sharded (FSDP2's DTensors),
+each rank reading only the rows its shards hold, so no rank ever holds the whole state dict. Tensor
+names are the module's own state-dict names; a parameter shared by several names (tied embeddings)
+is read once, under whichever name the files have.
+
+How a folder is read: each file's JSON header gives every tensor's dtype, shape
+and byte range, checked against the model (and the file's size) before anything is read. A whole
+tensor, or a run of whole rows of dimension 0 (FSDP2's shard of it), is one range of bytes; the
+ranges of a file are read in file order with large ``preadv`` calls (``PIECE`` bytes, adjacent
+ranges in one call, a larger range in several split on element boundaries) into a ring of
+``BUFFERS`` reusable host buffers (page-locked when the parameters are on a GPU). A background
+thread does the reads (they release the GIL), asking the kernel for the next piece while it reads
+one; the calling thread views each filled buffer as the file's dtype and copies it into the
+flattened parameter (asynchronously to a GPU, cast to the parameter's dtype on the way). A buffer is
+refilled only once its copies are done (a CUDA event per buffer). Any other part of a tensor (a
+shard on another dimension) is read through ``safetensors.safe_open``'s ``get_slice``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import queue
+import threading
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -22,6 +38,13 @@ from distlib import DistlibError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+PIECE = 64 << 20  # bytes of one read (a longer tensor is read in several)
+BUFFERS = 3  # host buffers in the ring: one being read into while the others are copied out
+# the safetensors dtypes read, those this torch has
+_DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in {
+    "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}.items() if hasattr(torch, v)}  # fmt: skip
 
 
 class SafetensorsError(DistlibError, ValueError):
@@ -90,28 +113,192 @@ def _targets(module: nn.Module) -> Iterator[tuple[list[str], torch.Tensor]]:
         yield names[key], t
 
 
-def _data_offsets(path: str) -> dict[str, tuple[int, int]]:
-    """Each tensor's byte range in a safetensors file (after its 8-byte length and JSON header)."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    base = 8 + n
-    return {k: (base + v["data_offsets"][0], base + v["data_offsets"][1]) for k, v in header.items()
-            if k != "__metadata__"}  # fmt: skip
+class _Stored(NamedTuple):
+    """A tensor of a safetensors file as its header gives it: ``start`` and ``end`` in bytes from
+    the start of the file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
 
 
-def _read_ahead(path: str, ranges: list[tuple[int, int]]) -> None:
-    """Ask the kernel to read ``ranges`` of ``path`` into the page cache now, in the background: the
-    reads from the memory map then find their pages there instead of faulting them in one by one
-    (half the disk's speed). Where posix_fadvise is missing, the reads fault them in as before."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    fd = os.open(path, os.O_RDONLY)
+def _data_offsets(path: str) -> dict[str, _Stored]:
+    """Each tensor's dtype, shape and byte range in a safetensors file (after its 8-byte length and
+    JSON header), the ranges checked against the file's size."""
     try:
-        for start, end in ranges:
-            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= size - 8:
+                raise ValueError(f"a header of {n} bytes in a file of {size}")
+            header = json.loads(f.read(n))
+        base = 8 + n
+        stored = {}
+        for name, v in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = (int(b) for b in v["data_offsets"])
+            if not 0 <= begin <= end <= size - base:
+                raise ValueError(f"{name}: bytes {begin} to {end} of data that has {size - base}")
+            stored[name] = _Stored(str(v["dtype"]), tuple(int(d) for d in v["shape"]), base + begin, base + end)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SafetensorsError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
+    return stored
+
+
+class _Piece:
+    """One read: ``nbytes`` from ``offset`` of the file into a buffer, and the parts of the buffer
+    each going to a run of elements of a flattened target, as (offset in the buffer, bytes, the
+    file's dtype, the target, its first element)."""
+
+    def __init__(self, offset: int):
+        self.offset, self.nbytes = offset, 0
+        self.parts: list[tuple[int, int, torch.dtype, torch.Tensor, int]] = []
+
+
+def _pieces(ranges: list[tuple[int, int, torch.dtype, torch.Tensor]], piece: int) -> list[_Piece]:
+    """``ranges`` of a file (start, bytes, the file's dtype, the flattened target), in file order,
+    as reads of at most ``piece`` bytes: adjacent ranges share a read, a longer one is split on its
+    elements' boundaries; a part starts at a multiple of its element size in the buffer (to view
+    it as its dtype)."""
+    pieces: list[_Piece] = []
+    for start, nbytes, dtype, target in ranges:
+        size, done = dtype.itemsize, 0
+        while done < nbytes:
+            at = start + done
+            last = pieces[-1] if pieces else None
+            joined = last is not None and last.offset + last.nbytes == at and (at - last.offset) % size == 0
+            if last is None or not joined or piece - last.nbytes < size:
+                last = _Piece(at)
+                pieces.append(last)
+            take = min(nbytes - done, (piece - last.nbytes) // size * size)
+            last.parts.append((at - last.offset, take, dtype, target, done // size))
+            last.nbytes += take
+            done += take
+    return pieces
+
+
+class _Buffer:
+    """A reusable host buffer, with the CUDA events recorded after the copies out of it (it is
+    refilled once they have passed)."""
+
+    def __init__(self, nbytes: int, pinned: bool):
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self.view = memoryview(self.tensor.numpy())
+        self.events: list[torch.cuda.Event] = []
+
+    def wait(self) -> None:
+        for event in self.events:
+            event.synchronize()
+        self.events = []
+
+
+def _fill(f, view: memoryview, offset: int) -> None:
+    """``len(view)`` bytes of the file from ``offset`` into ``view``."""
+    got = 0
+    while got < len(view):
+        if hasattr(os, "preadv"):
+            n = os.preadv(f.fileno(), [view[got:]], offset + got)
+        else:
+            f.seek(offset + got)
+            n = f.readinto(view[got:])
+        if not n:
+            raise EOFError(f"the file ends before byte {offset + len(view)}")
+        got += n
+
+
+def _advise(f, advice: str, offset: int = 0, nbytes: int = 0) -> None:
+    """A hint to the kernel's read-ahead, where there is posix_fadvise."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(f.fileno(), offset, nbytes, getattr(os, advice))
+
+
+def _reader(work: list[tuple[str, list[_Piece]]], free: queue.Queue, filled: queue.Queue,
+            stop: threading.Event, device: torch.device | None) -> None:  # fmt: skip
+    """The reading thread: each file's pieces in order, each into the next free buffer (once its
+    copies are done), handed on through ``filled``; ``_DONE`` at the end, or the error."""
+    path = ""
+    try:
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+            for path, pieces in work:
+                if not pieces:
+                    continue  # nothing of this file on this rank
+                with open(path, "rb", buffering=0) as f:
+                    _advise(f, "POSIX_FADV_SEQUENTIAL")
+                    _advise(f, "POSIX_FADV_WILLNEED", pieces[0].offset, pieces[0].nbytes)
+                    for i, piece in enumerate(pieces):
+                        if i + 1 < len(pieces):  # the disk busy with the next piece while this one is copied out
+                            _advise(f, "POSIX_FADV_WILLNEED", pieces[i + 1].offset, pieces[i + 1].nbytes)
+                        buffer = free.get()
+                        if buffer is None or stop.is_set():
+                            return
+                        buffer.wait()
+                        _fill(f, buffer.view[: piece.nbytes], piece.offset)
+                        filled.put((piece, buffer))
+        filled.put(_DONE)
+    except BaseException as e:  # the calling thread raises it
+        error = SafetensorsError(f"{path}: unreadable ({type(e).__name__}: {e})")
+        error.__cause__ = e
+        filled.put(error)
+
+
+_DONE = object()
+
+
+def _read_pieces(work: list[tuple[str, list[_Piece]]]) -> None:
+    """Read every piece of ``work`` (file, its pieces in file order) and copy it into its targets:
+    the reads in a background thread, into ``BUFFERS`` buffers of the largest piece's size."""
+    targets = [part[3] for _, pieces in work for p in pieces for part in p.parts]
+    if not targets:
+        return
+    cuda = sorted({t.device for t in targets if t.device.type == "cuda"}, key=str)
+    sizes = [p.nbytes for _, pieces in work for p in pieces]
+    free: queue.Queue = queue.Queue()
+    buffers = [_Buffer(max(sizes), pinned=bool(cuda)) for _ in range(min(BUFFERS, len(sizes)))]
+    for b in buffers:
+        free.put(b)
+    filled: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    thread = threading.Thread(target=_reader, args=(work, free, filled, stop, cuda[0] if cuda else None),
+                              name="safetensors-reader", daemon=True)  # fmt: skip
+    thread.start()
+    try:
+        while (item := filled.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            p, buffer = item
+            devices = set()
+            for offset, n, dtype, target, first in p.parts:
+                src = buffer.tensor[offset : offset + n].view(dtype)
+                dst = target[first : first + src.numel()]
+                if dst.device.type == "cuda":
+                    dst.copy_(src, non_blocking=True)  # from page-locked memory: queued, the buffer read later
+                    devices.add(dst.device)
+                else:
+                    dst.copy_(src)
+            for d in devices:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(d))
+                buffer.events.append(event)
+            free.put(buffer)
     finally:
-        os.close(fd)
+        stop.set()
+        free.put(None)
+        thread.join()
+        for b in buffers:  # every copy out of them done before they go
+            b.wait()
+
+
+def _row_range(stored: _Stored, local: torch.Tensor, index: tuple[slice, ...]) -> tuple[int, int] | None:
+    """The bytes of the file that hold ``index`` of the tensor, when they are one run that the
+    (contiguous) local tensor takes flat: the whole tensor, or whole rows of dimension 0; else None."""
+    if not local.is_contiguous() or any(s != slice(0, n) for s, n in zip(index[1:], stored.shape[1:])):
+        return None
+    if not index:  # a 0-d tensor
+        return stored.start, stored.end
+    row = (stored.end - stored.start) // stored.shape[0]
+    return stored.start + index[0].start * row, stored.start + index[0].stop * row
 
 
 @torch.no_grad()
@@ -119,8 +306,6 @@ def read_into(module: nn.Module, directory: str) -> int:
     """Copy the folder's tensors into ``module``'s parameters and persistent buffers (cast to their
     dtype), each rank reading only the rows of its shards. Raises SafetensorsError naming the
     tensors that are missing, left over or of another shape. Returns the bytes this rank read."""
-    import safetensors
-
     files = weight_files(directory)
     plan: dict[str, list[tuple[str, torch.Tensor]]] = {}  # file -> (name in it, the tensor to fill)
     missing, used = [], set()
@@ -142,22 +327,45 @@ def read_into(module: nn.Module, directory: str) -> int:
         raise SafetensorsError(f"{directory}: the weights do not match the model built from its config.json "
                                f"({'; '.join(parts)})")  # fmt: skip
     read = 0
-    for path, entries in plan.items():
-        offsets = _data_offsets(path)
-        entries.sort(key=lambda e: offsets.get(e[0], (0, 0))[0])  # in file order: one sequential read
-        _read_ahead(path, [offsets[n] for n, _ in entries if n in offsets])
-        with safetensors.safe_open(path, framework="pt", device="cpu") as f:
-            for name, t in entries:
-                part = f.get_slice(name)
-                shape = tuple(part.get_shape())
-                if shape != tuple(t.shape):
-                    raise SafetensorsError(f"{path}: {name} has shape {list(shape)}, the model's is {list(t.shape)}")
-                local, index = _local_part(t)
-                if local.numel() == 0:
-                    continue  # a rank past the last row of a short tensor
-                rows = part[index]
-                read += rows.numel() * rows.element_size()
-                local.copy_(rows.view(local.shape))
+    work: list[tuple[str, list[_Piece]]] = []  # file -> its reads
+    sliced: list[tuple[str, str, torch.Tensor, tuple[slice, ...]]] = []  # read through get_slice
+    for path in sorted(plan):  # sharded files in their order, each from its start
+        stored = _data_offsets(path)
+        ranges = []
+        for name, t in plan[path]:
+            if name not in stored:
+                raise SafetensorsError(f"{path}: has no tensor {name} (the index names this file for it)")
+            s = stored[name]
+            if s.shape != tuple(t.shape):
+                raise SafetensorsError(f"{path}: {name} has shape {list(s.shape)}, the model's is {list(t.shape)}")
+            dtype = _DTYPES.get(s.dtype)
+            if dtype is None:
+                raise SafetensorsError(f"{path}: {name} is stored as {s.dtype!r}, a dtype not read here (those "
+                                       f"read: {', '.join(_DTYPES)})")  # fmt: skip
+            if s.end - s.start != (nbytes := math.prod(s.shape) * dtype.itemsize):
+                raise SafetensorsError(f"{path}: {name} takes {s.end - s.start} bytes, not the {nbytes} of "
+                                       f"{list(s.shape)} {s.dtype}")  # fmt: skip
+            local, index = _local_part(t)
+            if local.numel() == 0:
+                continue  # a rank past the last row of a short tensor
+            span = _row_range(s, local, index)
+            if span is None:
+                sliced.append((path, name, local, index))
+                continue
+            ranges.append((span[0], span[1] - span[0], dtype, local.view(-1)))
+            read += span[1] - span[0]
+        ranges.sort(key=lambda r: r[0])  # in file order: one sequential read
+        work.append((path, _pieces(ranges, PIECE)))
+    _read_pieces(work)
+    if sliced:
+        import safetensors
+
+        for path in dict.fromkeys(p for p, *_ in sliced):
+            with safetensors.safe_open(path, framework="pt", device="cpu") as f:
+                for _, name, local, index in (e for e in sliced if e[0] == path):
+                    rows = f.get_slice(name)[index]
+                    read += rows.numel() * rows.element_size()
+                    local.copy_(rows.view(local.shape))
     return read
 
 

@@ -171,57 +171,36 @@ def test_a_pretrained_llama_loads_in_every_shard_mode_with_transformers_first_lo
 
 # ---- a sharded folder: each rank reads only its rows --------------------------------------------
 def _read_counted(ctx, root: str, out: str, folder_name: str) -> dict:
-    """Build the run under dist.shard=full, counting what each safetensors read returns on this rank."""
+    """Build the run under dist.shard=full, counting the bytes this rank's reads of the folder's
+    files return (os.preadv, which read_into reads with) and what load_pretrained says it read."""
     from pathlib import Path
 
-    import safetensors
+    from distlib.runner.hf_causal_lm import HFCausalLM
 
-    opened, read = [], [0]
-    real = safetensors.safe_open
+    opened, read, said = set(), [0], []
+    real_preadv, real_load = os.preadv, HFCausalLM.load_pretrained
 
-    class Counted:
-        def __init__(self, path, *args, **kwargs):
-            opened.append(os.path.basename(path))
-            self.f = real(path, *args, **kwargs)
+    def preadv(fd, buffers, offset, *args):
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        n = real_preadv(fd, buffers, offset, *args)
+        if name.endswith(".safetensors"):
+            opened.add(name)
+            read[0] += n
+        return n
 
-        def __enter__(self):
-            self.inner = self.f.__enter__()
-            return self
+    def load_pretrained(self):
+        said.append(real_load(self))
+        return said[-1]
 
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_slice(self, name):
-            part = self.inner.get_slice(name)
-
-            class Slice:
-                def get_shape(self):
-                    return part.get_shape()
-
-                def __getitem__(self, index):
-                    t = part[index]
-                    read[0] += t.numel() * t.element_size()
-                    return t
-
-            return Slice()
-
-        def get_tensor(self, name):
-            t = self.inner.get_tensor(name)
-            read[0] += t.numel() * t.element_size()
-            return t
-
-    safetensors.safe_open = Counted
+    os.preadv, HFCausalLM.load_pretrained = preadv, load_pretrained
     try:
         path = recipe(Path(root), out, {"pretrained": os.path.join(root, folder_name)})
         cfg = load_config(path, ["dist.shard=full", "train.epochs=1"])
         with built(cfg, ctx) as trainer:
             weights = whole(trainer.model)
     finally:
-        safetensors.safe_open = real
-    return {"read": read[0], "opened": opened, "weights": weights}
+        os.preadv, HFCausalLM.load_pretrained = real_preadv, real_load
+    return {"read": read[0], "said": said, "opened": sorted(opened), "weights": weights}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -239,6 +218,7 @@ def test_a_sharded_safetensors_folder_loads_under_full_sharding_each_rank_readin
     total = sum(v.numel() * v.element_size() for k, v in saved.items() if k != "lm_head.weight")  # tied: once
     got = run_ranks(_read_counted, world_size, str(root), str(tmp_path / "run"), "sharded", timeout=300)
     reads = [g["read"] for g in got]
+    assert [g["said"] for g in got] == [[r] for r in reads], got
     assert sum(reads) == total, reads
     for r in reads:
         assert r < total / world_size * 1.1, (reads, total)
@@ -612,7 +592,7 @@ def test_the_llama_demo_on_a_gpu_in_bf16(tmp_path, overrides):
     print(proc.stderr[-2000:])
 
 
-def test_the_byte_ranges_read_ahead_are_each_tensors_own(tmp_path):
+def test_the_header_gives_each_tensors_dtype_shape_and_byte_range(tmp_path):
     from safetensors.torch import save_file
 
     from distlib.runner.safetensors_folder import _data_offsets
@@ -623,6 +603,8 @@ def test_the_byte_ranges_read_ahead_are_each_tensors_own(tmp_path):
     data = open(path, "rb").read()
     offsets = _data_offsets(path)
     assert set(offsets) == {"a", "b"}
+    assert (offsets["a"].dtype, offsets["a"].shape, offsets["b"].dtype, offsets["b"].shape) == ("BF16", (2, 2),
+                                                                                              "F32", (6,))  # fmt: skip
     for name, t in tensors.items():
-        start, end = offsets[name]
+        _, _, start, end = offsets[name]
         assert data[start:end] == t.contiguous().view(torch.uint8).numpy().tobytes()
