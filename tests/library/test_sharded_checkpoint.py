@@ -551,9 +551,13 @@ def test_gpu_device_staging_gives_its_memory_back_once_written(tmp_path):
     ck = ShardedCheckpointer(str(tmp_path), staging="device")
     ck.save(1, objects(model, opt, sched, {"step": 1}), async_=True)
     state_bytes = sum(p.nbytes for p in model.parameters()) * 3  # weights, exp_avg, exp_avg_sq
-    assert torch.cuda.memory_allocated() - before >= state_bytes  # the copy, on the device
+    during = torch.cuda.memory_allocated()
+    assert during - before >= state_bytes, (before, during, state_bytes)  # the copy, on the device
     ck.wait()
-    assert torch.cuda.memory_allocated() == before and ck.paths()
+    after = torch.cuda.memory_allocated()
+    # the copy is given back (a state dict may keep a small tensor of its own, as AdamW's step)
+    assert during - after >= state_bytes and after - before < state_bytes / 10, (before, during, after, state_bytes)
+    assert ck.paths()
 
 
 def _save_then_continue_cuda(ctx, kind: str, directory: str):
