@@ -24,14 +24,18 @@ What it does, in order:
    tokens, the folder evicted first): its ``model`` stage from summary.json (the model, its read,
    the optimizer and the training step's set-up, and the first import of transformers' model
    classes, which the timed loads above leave out) and the final checkpoint it saves.
-4. Export: ``distlib.runner.export.export(RUN_DIR, OUT_DIR)`` of that run's checkpoint (evicted
-   first: a cold read), timed with the fsync of the files it wrote (export itself does not sync:
-   the anchor does), median of ``--repeats``; then the command ``python -m distlib.runner.export``
-   once, whose time includes its interpreter and imports. Against the write anchor of the bytes it
-   wrote, and, as the floor of the whole, the cold read of the checkpoint plus that write.
+4. Export: ``distlib.runner.export.export(RUN_DIR, OUT_DIR)`` of that run's checkpoint, timed with
+   the fsync of the files it wrote (export fsyncs its model.safetensors itself; config.json is left
+   to this), median of ``--repeats``, twice: with the checkpoint cold (evicted first) and warm (its
+   files read once before, as the run that wrote them leaves them in the page cache); then the
+   command ``python -m distlib.runner.export`` once, cold, whose time includes its interpreter and
+   imports. The cold ones against the cold read of the bytes export reads (the records of the
+   exported tensors: the model's part of the checkpoint, not the optimizer's) plus the fsynced
+   write of the bytes it writes; the warm one against that write alone.
 
-The target: load and export each within 1.5x the disk's time for their bytes (read for the load,
-write for the export). On a filesystem that ignores the eviction (tmpfs) the reads are from memory.
+The target: load and export each within 1.5x the disk's time for their bytes (the read for the
+load; the read and the write for the cold export, the write for the warm one). On a filesystem that
+ignores the eviction (tmpfs) the reads are from memory.
 Every row is printed as a JSON line and appended to ``--json``; a markdown table comes last.
 BENCHMARKS.md, "Llama recipe (Hugging Face)".
 """
@@ -320,12 +324,56 @@ def run_launch(args: argparse.Namespace, recipe: str, run_dir: str, folder: list
 
 
 # ---- export --------------------------------------------------------------------------------------
-def export_once(args: argparse.Namespace, run_dir: str, out: str, checkpoint: list[str]) -> tuple[float, float]:
-    """(seconds of export(), seconds with the fsync of what it wrote), the checkpoint evicted first."""
+def export_reads(checkpoint_dir: str, out_file: str) -> list[tuple[str, int, int]]:
+    """(file, offset, length) of each record the export of ``out_file``'s tensors reads from the DCP
+    checkpoint ``checkpoint_dir`` (the model's tensors, the run's hf_causal_lm without a weight
+    average): the optimizer's state and the tied output layer are not read."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    with safe_open(out_file, framework="pt") as f:
+        fqns = {f"model.hf.{k}" for k in f.keys()}
+    storage = dcp.FileSystemReader(checkpoint_dir).read_metadata().storage_data
+    return sorted((os.path.join(checkpoint_dir, info.relative_path), info.offset, info.length)
+                  for index, info in storage.items() if index.fqn in fqns)  # fmt: skip
+
+
+def disk_read_ranges_s(ranges: Sequence[tuple[str, int, int]]) -> float:
+    """Seconds to read the byte ranges, in file and offset order, from the disk (their files evicted first)."""
+    evict(sorted({f for f, _, _ in ranges}))
+    buf = memoryview(bytearray(CHUNK))
+    t0 = time.perf_counter()
+    for path, offset, length in ranges:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(offset)
+            while length > 0:
+                n = f.readinto(buf[: min(length, CHUNK)])
+                if not n:
+                    break
+                length -= n
+    return time.perf_counter() - t0
+
+
+def warm(files: Sequence[str]) -> None:
+    """Each file read once: in the page cache, as a run leaves the checkpoint it just wrote."""
+    buf = memoryview(bytearray(CHUNK))
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def export_once(args: argparse.Namespace, run_dir: str, out: str, checkpoint: list[str], cold: bool = True
+                ) -> tuple[float, float]:  # fmt: skip
+    """(seconds of export(), seconds with the fsync of what it wrote), the checkpoint evicted first
+    (``cold``) or read once before."""
     from distlib.runner.export import export
 
     shutil.rmtree(out, ignore_errors=True)
-    evict(checkpoint)
+    if cold:
+        evict(checkpoint)
+    else:
+        warm(checkpoint)
     t0 = time.perf_counter()
     export(run_dir, out, args.dtype)
     done = time.perf_counter() - t0
@@ -382,17 +430,27 @@ def measure(args: argparse.Namespace, work: str, rows: list[dict]) -> None:
     checkpoint = files_under(os.path.join(run_dir, "checkpoints"))
     ckpt_bytes = size_of(checkpoint)
     out = os.path.join(work, "export")
-    times = [export_once(args, run_dir, out, checkpoint) for _ in range(args.repeats)]
+    cold = [export_once(args, run_dir, out, checkpoint) for _ in range(args.repeats)]
+    hot = [export_once(args, run_dir, out, checkpoint, cold=False) for _ in range(args.repeats)]
     out_bytes = size_of(files_under(out))
     out_write_s = median_of(args.repeats, lambda: disk_write_s(work, out_bytes))
-    ckpt_read_s = median_of(args.repeats, lambda: disk_read_s(checkpoint))
-    anchors = {"bytes": out_bytes, "checkpoint_bytes": ckpt_bytes, "disk_s": round(out_write_s, 4),
-               "disk_read_checkpoint_s": round(ckpt_read_s, 4)}  # fmt: skip
-    emit(args, {"part": "export", "mode": "export()", **common, "shard": args.shard, **anchors,
-                "s": round(statistics.median(d for _, d in times), 4),
-                "no_fsync_s": round(statistics.median(t for t, _ in times), 4)}, rows)  # fmt: skip
-    emit(args, {"part": "export", "mode": "command", **common, "shard": args.shard, **anchors,
-                **export_command(args, run_dir, out, checkpoint)}, rows)  # fmt: skip
+    directory = os.path.dirname(checkpoint[0])
+    if os.path.isfile(os.path.join(directory, ".metadata")):  # DCP's: the records export reads
+        reads = export_reads(directory, os.path.join(out, "model.safetensors"))
+    else:  # a one-file checkpoint is read whole
+        reads = [(f, 0, os.path.getsize(f)) for f in checkpoint]
+    read_bytes = sum(n for _, _, n in reads)
+    read_s = median_of(args.repeats, lambda: disk_read_ranges_s(reads))
+    anchors = {"bytes": out_bytes, "checkpoint_bytes": ckpt_bytes, "read_bytes": read_bytes,
+               "disk_read_s": round(read_s, 4), "disk_write_s": round(out_write_s, 4)}  # fmt: skip
+    for cache, times in (("cold", cold), ("warm", hot)):
+        disk = read_s + out_write_s if cache == "cold" else out_write_s
+        emit(args, {"part": "export", "mode": "export()", "cache": cache, **common, "shard": args.shard, **anchors,
+                    "disk_s": round(disk, 4), "s": round(statistics.median(d for _, d in times), 4),
+                    "no_fsync_s": round(statistics.median(t for t, _ in times), 4)}, rows)  # fmt: skip
+    emit(args, {"part": "export", "mode": "command", "cache": "cold", **common, "shard": args.shard, **anchors,
+                "disk_s": round(read_s + out_write_s, 4), **export_command(args, run_dir, out, checkpoint)},
+         rows)  # fmt: skip
 
 
 # ---- the table --------------------------------------------------------------------------------------
@@ -444,18 +502,24 @@ def table(rows: Sequence[dict]) -> str:
             label = f"load: launch.py's model stage, cold, dist.shard={r.get('shard')}"
             if r.get("checkpoint_s") is not None:
                 notes.append(f"- The run's final checkpoint (dist.shard={r.get('shard')}): {_f(r['checkpoint_s'])} s.")
-        elif part == "export" and r.get("mode") == "export()":
-            label = f"export: export() + fsync, checkpoint cold, dist.shard={r.get('shard')}"
-            read_ckpt = r.get("disk_read_checkpoint_s")
-            if read_ckpt is not None and disk:
-                notes.append(
-                    f"- Export (dist.shard={r.get('shard')}) reads a checkpoint of {_gb(r.get('checkpoint_bytes'))} "
-                    f"GB first: cold disk read {_f(read_ckpt)} s; read + write floor {_f(read_ckpt + disk)} s, "
-                    f"export() + fsync {s / (read_ckpt + disk):.2f}x that; without the fsync {_f(r.get('no_fsync_s'))}"
-                    " s."
-                )
-        else:
-            label = f"export: python -m distlib.runner.export + fsync (the command), dist.shard={r.get('shard')}"
+        elif part == "export":
+            what = ("export() + fsync" if r.get("mode") == "export()"
+                    else "python -m distlib.runner.export + fsync (the command)")  # fmt: skip
+            where = f"dist.shard={r.get('shard')}"
+            if r.get("cache") == "warm":
+                label = f"export: {what}, checkpoint in the page cache, {where} (disk s: the write)"
+            elif r.get("cache") == "cold":
+                label = (f"export: {what}, checkpoint cold, {where} (disk s: the cold read of the "
+                         f"{_gb(r.get('read_bytes'))} GB it reads + the write)")  # fmt: skip
+                if r.get("mode") == "export()":
+                    notes.append(
+                        f"- Export ({where}) reads {_gb(r.get('read_bytes'))} GB of the "
+                        f"{_gb(r.get('checkpoint_bytes'))} GB checkpoint (the exported tensors' records, not the "
+                        f"optimizer's state): its cold read {_f(r.get('disk_read_s'))} s, the write "
+                        f"{_f(r.get('disk_write_s'))} s; export() without the fsync {_f(r.get('no_fsync_s'))} s."
+                    )
+            else:  # a row of an earlier version: cold, against the write alone
+                label = f"export: {what}, checkpoint cold, {where} (disk s: the write)"
         out.append(f"| {label} | {_gb(n)} | {_f(s)} | {_rate(n, s)} | {_f(disk)} | {_rate(n, disk)} | "
                    f"{_ratio(s, disk)} |")  # fmt: skip
     return "\n".join(out + ([""] + notes if notes else []))

@@ -11,10 +11,15 @@ other programs load.
   state dict as one file.
 
 The run's checkpoint (DCP's files, in every ``dist.shard`` mode) is read on the CPU of this one
-process, a group of tensors at a time (no process group, no GPU); the tensors are written in the
-dtype asked for, so the host holds about the exported bytes once. A one-file checkpoint
-(``distlib.Checkpointer``'s, which the runner wrote for ``dist.shard=none`` in earlier versions) is
-read too. Design: docs/huggingface.md.
+process (no process group, no GPU), and ``model.safetensors`` is streamed (safetensors_stream): its
+header first, from the checkpoint's metadata (names, shapes, the dtype asked for), then the tensors'
+bytes a group of about ``GROUP_BYTES`` at a time, each group cast and written while the next is read
+in background threads, straight from the records DCP wrote (dcp_tensors; only the exported tensors,
+not the optimizer's state nor a tied output layer). The host holds two groups, not the model; the
+file is fsynced and renamed into place, the disk writing it back as it goes, so the export takes
+about the longer of the checkpoint's read and the file's write rather than their sum. A one-file
+checkpoint (``distlib.Checkpointer``'s, which the runner wrote for ``dist.shard=none`` in earlier
+versions) is read whole into memory, then written the same way. Design: docs/huggingface.md.
 """
 
 from __future__ import annotations
@@ -22,17 +27,24 @@ from __future__ import annotations
 import json
 import os
 import sys
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from distlib import DistlibError
+from distlib.runner import safetensors_stream
 from distlib.runner.config import Config, ConfigError, load_config
+from distlib.runner.dcp_tensors import CheckpointTensors
+from distlib.runner.safetensors_stream import Entry
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-GROUP_BYTES = 1 << 30  # a DCP read plans and opens its files once per call: tensors read in groups of about 1 GiB
+# The write reads a group of about GROUP_BYTES of the checkpoint while it casts and writes the one
+# before: the host holds two (small groups: little read before the first write and written after the
+# last read, few new pages to fault in). Reads of at most PART_BYTES (a large tensor's rows a part at
+# a time), READ_THREADS at once: the disk's queue kept full, page-cache copies on several cores.
+GROUP_BYTES = 128 << 20
+PART_BYTES = 8 << 20
+READ_THREADS = 8
 
 
 class ExportError(DistlibError, ValueError):
@@ -82,56 +94,93 @@ def _replicated_state(path: str, name: str) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state[name].items() if isinstance(v, torch.Tensor)}
 
 
-def _sharded_tensors(path: str, name: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(key, whole tensor in ``dtype``) of the object ``name`` in a DCP checkpoint, read on the CPU a
-    group of tensors at a time."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+class _Tensors:
+    """The final model's tensors in a checkpoint, by their state-dict names (the weight average's
+    under its module's names): their shapes and dtypes, and their rows read on demand (from a DCP
+    checkpoint's files, or from a one-file checkpoint's state dict in memory)."""
 
-    reader = dcp.FileSystemReader(path)
-    prefix = f"{name}."
-    entries = [(k, m) for k, m in reader.read_metadata().state_dict_metadata.items()
-               if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)]  # fmt: skip
-    if not entries:
-        raise ExportError(f"{path} holds no tensors of {name!r}")
-    group: dict[str, torch.Tensor] = {}
-    size = 0
-    for i, (key, meta) in enumerate(entries):
-        group[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        size += group[key].nbytes
-        if size >= GROUP_BYTES or i == len(entries) - 1:
-            with warnings.catch_warnings():  # that it reads in one process is what is meant
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(group, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-            for k, t in group.items():
-                yield k[len(prefix) :], t.to(dtype) if t.is_floating_point() else t
-            group, size = {}, 0
+    def __init__(self, kind: str, path: str, name: str):
+        self.dcp: CheckpointTensors | None = None
+        self.memory: dict[str, torch.Tensor] = {}
+        if kind == "replicated":
+            self.memory = _replicated_state(path, name)
+            found = {k: k for k in self.memory}
+        else:
+            self.dcp = CheckpointTensors(path, f"{name}.")
+            found = {k[len(name) + 1 :]: k for k in self.dcp.shapes}
+            if not found:
+                raise ExportError(f"{path} holds no tensors of {name!r}")
+        if name == "ema":  # the average's state dict: the averaged module's, under module.
+            found = {k.removeprefix("module."): v for k, v in found.items() if k.startswith("module.")}
+        self.keys = found  # state-dict name -> the checkpoint's
+
+    def close(self) -> None:
+        if self.dcp is not None:
+            self.dcp.close()
+
+    def shape(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        found = self.keys[key]
+        if self.dcp is not None:
+            return self.dcp.shapes[found]
+        return tuple(self.memory[found].shape), self.memory[found].dtype
+
+    def splittable(self, key: str) -> bool:
+        return self.dcp.splittable(self.keys[key]) if self.dcp is not None else True
+
+    def rows(self, key: str, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        if self.dcp is not None:
+            return self.dcp.rows(self.keys[key], start, stop, out)
+        t = self.memory[self.keys[key]]
+        return (t[start:stop] if t.dim() else t).contiguous()
+
+    def tensor(self, key: str) -> torch.Tensor:
+        if self.dcp is not None:
+            return self.dcp.tensor(self.keys[key])
+        return self.memory[self.keys[key]]
+
+
+def _model_tensors(run_dir: str) -> tuple[Config, _Tensors, str]:
+    cfg = _run_config(run_dir)
+    kind, path = _newest_checkpoint(run_dir)
+    return cfg, _Tensors(kind, path, "ema" if cfg.train.ema > 0 else "model"), path
+
+
+def _written(t: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor of dtype ``t`` is written in: ``dtype`` for floating point, its own otherwise."""
+    return dtype if t.is_floating_point else t
 
 
 def model_state(run_dir: str, dtype: torch.dtype) -> tuple[Config, dict[str, torch.Tensor], str]:
     """The run's config, its final model's state dict (whole tensors in ``dtype``, on the CPU: the
     weight average's when the run kept one) and the checkpoint it comes from."""
-    cfg = _run_config(run_dir)
-    kind, path = _newest_checkpoint(run_dir)
-    name = "ema" if cfg.train.ema > 0 else "model"
-    if kind == "replicated":
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in _replicated_state(path, name).items()}
-    else:
-        state = dict(_sharded_tensors(path, name, dtype))
-    if name == "ema":  # the average's state dict: the averaged module's, under module.
-        state = {k.removeprefix("module."): v for k, v in state.items() if k.startswith("module.")}
+    cfg, tensors, path = _model_tensors(run_dir)
+    try:
+        state = {}
+        for k in tensors.keys:
+            t = tensors.tensor(k)
+            state[k] = t.to(_written(t.dtype, dtype))
+    finally:
+        tensors.close()
     return cfg, state, path
 
 
-def _write_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
-    from safetensors.torch import save_file
+def _write_safetensors(tensors: _Tensors, names: dict[str, str], path: str, dtype: torch.dtype) -> None:
+    """The file ``path`` of the checkpoint's tensors ``names`` (file name -> state-dict name) in ``dtype``
+    (floating point ones), streamed: see safetensors_stream for why it is not save_file."""
+    entries, key = [], {}
+    for name, k in names.items():
+        shape, source = tensors.shape(k)
+        entries.append(Entry(name, shape, _written(source, dtype), source, tensors.splittable(k)))
+        key[name] = k
 
-    tmp = path + ".tmp"
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"})
-    os.replace(tmp, path)
+    def read(e: Entry, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        return tensors.rows(key[e.name], start, stop, out)
+
+    safetensors_stream.write(path, entries, read, metadata={"format": "pt"}, group_bytes=GROUP_BYTES,
+                             part_bytes=PART_BYTES, threads=READ_THREADS)  # fmt: skip
 
 
-def _export_hf(cfg: Config, state: dict[str, torch.Tensor], out_dir: str, dtype: torch.dtype) -> None:
+def _export_hf(cfg: Config, tensors: _Tensors, out_dir: str, dtype: torch.dtype) -> None:
     from distlib.runner.hf_causal_lm import hf_causal_lm
 
     args = {k: v for k, v in cfg.model.args.items() if k in ("config", "pretrained", "attn_implementation")}
@@ -142,18 +191,11 @@ def _export_hf(cfg: Config, state: dict[str, torch.Tensor], out_dir: str, dtype:
     # writes it), and the buffers a state dict holds
     every = {n for n, _ in hf.named_parameters(remove_duplicate=False)}
     names = [n for n, _ in hf.named_parameters()] + [n for n in hf.state_dict() if n not in every]
-    tensors = {}
-    missing = []
-    for n in names:
-        t = state.get(f"hf.{n}")
-        if t is None:
-            missing.append(n)
-        else:
-            tensors[n] = t
+    missing = [n for n in names if f"hf.{n}" not in tensors.keys]
     if missing:
         raise ExportError(f"the checkpoint lacks {len(missing)} tensor(s) of the model: {', '.join(missing[:4])}")
     os.makedirs(out_dir, exist_ok=True)
-    _write_safetensors(tensors, os.path.join(out_dir, "model.safetensors"))
+    _write_safetensors(tensors, {n: f"hf.{n}" for n in names}, os.path.join(out_dir, "model.safetensors"), dtype)
     config = hf.config
     config.use_cache = True  # for inference; training turned it off
     config.dtype = dtype
@@ -161,17 +203,17 @@ def _export_hf(cfg: Config, state: dict[str, torch.Tensor], out_dir: str, dtype:
     config.save_pretrained(out_dir)
 
 
-def _export_gpt(cfg: Config, state: dict[str, torch.Tensor], out_dir: str) -> None:
+def _export_gpt(cfg: Config, tensors: _Tensors, out_dir: str, dtype: torch.dtype) -> None:
     from distlib.runner.gpt import GPTConfig
 
     args = dict(cfg.model.args)
     # what the runner gave the model from the data: the shapes of its embeddings say it
-    args.setdefault("vocab_size", state["wte.weight"].shape[0])
-    args.setdefault("block_size", state["wpe.weight"].shape[0])
+    args.setdefault("vocab_size", tensors.shape("wte.weight")[0][0])
+    args.setdefault("block_size", tensors.shape("wpe.weight")[0][0])
     config = GPTConfig(**{k: v for k, v in args.items() if k in GPTConfig.__dataclass_fields__})
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {k: v for k, v in state.items() if k != "lm_head.weight"}  # tied to wte.weight
-    _write_safetensors(tensors, os.path.join(out_dir, "model.safetensors"))
+    names = {k: k for k in tensors.keys if k != "lm_head.weight"}  # tied to wte.weight
+    _write_safetensors(tensors, names, os.path.join(out_dir, "model.safetensors"), dtype)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump({"model": "distlib.runner.gpt:GPT", **vars(config)}, f, indent=1)
 
@@ -196,11 +238,14 @@ def export(run_dir: str, out_dir: str, dtype: str = "bf16") -> dict[str, Any]:
     Returns what it did: the checkpoint read, the files written, their bytes."""
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    cfg, state, source = model_state(run_dir, DTYPES[dtype])
-    if cfg.model.name == "hf_causal_lm":
-        _export_hf(cfg, state, out_dir, DTYPES[dtype])
-    else:
-        _export_gpt(cfg, state, out_dir)
+    cfg, tensors, source = _model_tensors(run_dir)
+    try:
+        if cfg.model.name == "hf_causal_lm":
+            _export_hf(cfg, tensors, out_dir, DTYPES[dtype])
+        else:
+            _export_gpt(cfg, tensors, out_dir, DTYPES[dtype])
+    finally:
+        tensors.close()
     files = sorted(os.listdir(out_dir))
     size = sum(os.path.getsize(os.path.join(out_dir, f)) for f in files)
     return {"checkpoint": source, "out_dir": out_dir, "files": files, "bytes": size}

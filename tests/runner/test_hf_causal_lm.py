@@ -453,20 +453,44 @@ def _val_loss(model, root) -> float:
     return total / n
 
 
+def _dcp_loaded(run_dir: str) -> dict[str, torch.Tensor]:
+    """The model's tensors of the run's checkpoint as dcp.load reads them (the reference)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = os.path.join(run_dir, "checkpoints", checkpoints(run_dir)[-1])
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items()
+             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # that it reads in one process
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return {k.removeprefix("model."): v for k, v in state.items()}
+
+
 @pytest.mark.parametrize("shard", ["none", "full"])
-def test_an_exported_run_loads_with_from_pretrained_and_gives_its_validation_loss(folder, tmp_path, shard):
+def test_an_exported_run_loads_with_from_pretrained_and_gives_its_validation_loss(folder, tmp_path, shard, monkeypatch):
     """A run at two ranks (replicated or fully sharded training: a DCP checkpoint), exported in fp32: transformers'
     from_pretrained loads the folder (config.json, one model.safetensors, the tied embedding stored
-    once) with the checkpoint's weights exactly, and its validation loss is the run's final one; a
-    bf16 export holds the same weights rounded to bf16."""
+    once) with the checkpoint's weights exactly (as dcp.load reads them), and its validation loss is
+    the run's final one; a bf16 export holds the same weights rounded to bf16. Written in many groups
+    of small parts, which cross the rows of the two ranks' chunks of the sharded tensors, every one
+    read from its records (none through dcp.load)."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
+    from distlib.runner import export as export_module
+    from distlib.runner.dcp_tensors import CheckpointTensors
     from distlib.runner.export import export, model_state
 
     root, _ = folder
     out = str(tmp_path / "run")
     rows = run_ranks(_trained, 2, str(root), out, shard, timeout=300)[0]
+    monkeypatch.setattr(export_module, "GROUP_BYTES", 20_000)  # the embedding alone is 32 KiB in fp32
+    monkeypatch.setattr(export_module, "PART_BYTES", 3_000)  # 23 rows of 128 bytes: across a rank's 128 (full)
+    monkeypatch.setattr(CheckpointTensors, "_load", lambda *a: pytest.fail(f"read by dcp.load: {a[1]}"))
     done = export(out, str(tmp_path / "fp32"), "fp32")
     assert done["files"] == ["config.json", "model.safetensors"]
     with safe_open(str(tmp_path / "fp32" / "model.safetensors"), "pt") as f:
@@ -474,6 +498,9 @@ def test_an_exported_run_loads_with_from_pretrained_and_gives_its_validation_los
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp32"))
     assert model.dtype == torch.float32 and model.lm_head.weight is model.model.embed_tokens.weight
     _, state, _ = model_state(out, torch.float32)
+    reference = _dcp_loaded(out)
+    assert state.keys() == reference.keys()
+    assert all(torch.equal(state[k], reference[k]) for k in state)
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, state[f"hf.{k}"], rtol=0, atol=0, msg=k)
     saved = save_tiny(tmp_path / "unused")  # the folder's own weights: training moved them
