@@ -56,6 +56,8 @@ from collections.abc import Callable, Sequence
 if __package__ in (None, ""):  # run as `python bench/hf_io.py`: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import rows as rows_  # noqa: E402  (after the path is set)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHUNK = 64 << 20  # bytes a read or write of the anchors moves at a time
 TINY_CONFIG = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
@@ -94,19 +96,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def emit(args: argparse.Namespace, row: dict, rows: list[dict]) -> None:
-    rows.append(row)
-    print(json.dumps({"hf_io": row}), flush=True)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
+    rows_.emit("hf_io", args.json, row, rows)
 
 
 def llama_config(tiny: bool) -> dict:
@@ -198,7 +188,7 @@ def make_folder(args: argparse.Namespace, config: dict) -> dict:
     with torch.device(args.device):  # initialised where it is fast; save_pretrained copies to the host
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=DTYPES[args.dtype])
     shutil.rmtree(args.dir, ignore_errors=True)
-    _sync(args.device)
+    rows_.sync(args.device)
     t0 = time.perf_counter()
     model.save_pretrained(args.dir)
     saved_s = time.perf_counter() - t0
@@ -274,10 +264,10 @@ def load_once(args: argparse.Namespace, recipe: str, folder: list[str]) -> dict:
     original = HFCausalLM.load_pretrained
 
     def timed_load(model: HFCausalLM) -> int:  # the read, within build_model
-        _sync(args.device)
+        rows_.sync(args.device)
         t = time.perf_counter()
         read["bytes"] = original(model)
-        _sync(args.device)
+        rows_.sync(args.device)
         read["s"] = time.perf_counter() - t
         return read["bytes"]
 
@@ -285,10 +275,10 @@ def load_once(args: argparse.Namespace, recipe: str, folder: list[str]) -> dict:
     HFCausalLM.load_pretrained = timed_load
     try:
         torch.manual_seed(cfg.train.seed)
-        _sync(args.device)
+        rows_.sync(args.device)
         t0 = time.perf_counter()
         model = trainer.build_model()
-        _sync(args.device)
+        rows_.sync(args.device)
         total = time.perf_counter() - t0
     finally:
         HFCausalLM.load_pretrained = original

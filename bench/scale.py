@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 if __package__ in (None, ""):  # run as `python bench/scale.py`: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import rows as rows_  # noqa: E402  (after the path is set)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("none", "optimizer", "full")
 AC_MODES = ("none", "full", "selective")
@@ -102,19 +104,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def emit(args: argparse.Namespace, row: dict, rows: list[dict]) -> None:
-    rows.append(row)
-    print(json.dumps({"scale": row}), flush=True)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
+    rows_.emit("scale", args.json, row, rows)
 
 
 def _timed_step(
@@ -124,14 +114,14 @@ def _timed_step(
     itself, under ``autocast``), the device synchronised on both sides."""
     import torch.nn.functional as F
 
-    _sync(device)
+    rows_.sync(device)
     t = time.perf_counter()
     with autocast:
         loss = F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    _sync(device)
+    rows_.sync(device)
     return time.perf_counter() - t
 
 
@@ -225,11 +215,11 @@ def run_anchors(args: argparse.Namespace, base: str, rows: list[dict]) -> None:
     layers, heads, width = parse_size(args.size)
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=layers, n_head=heads, n_embd=width)
     device = torch.device(args.device)
-    _sync(args.device)
+    rows_.sync(args.device)
     t0 = time.perf_counter()
     with torch.device(device):
         model = GPT(cfg)
-    _sync(args.device)
+    rows_.sync(args.device)
     build_s = time.perf_counter() - t0
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
     x = torch.randint(0, args.vocab, (args.batch, args.seq_len), device=device)
