@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from distlib import DistlibError
+from distlib.runner.positional_reads import read_exactly
 
 # the storage classes a torch.save pickle names, and their dtypes (the classes' own dtype
 # attribute warns that typed storages are deprecated)
@@ -269,18 +270,11 @@ class CheckpointTensors:
         return result
 
     def _read(self, file: str, offset: int, view: memoryview) -> None:
-        fd, done = self._fd(file), 0
-        while done < len(view):
-            if hasattr(os, "preadv"):
-                n = os.preadv(fd, [view[done:]], offset + done)
-            else:  # no preadv (macOS before 11): through a bytes object
-                data = os.pread(fd, min(len(view) - done, 1 << 30), offset + done)
-                view[done : done + len(data)] = data
-                n = len(data)
-            if n == 0:
-                raise CheckpointReadError(f"{file} ends at {offset + done}: its metadata says it holds more "
-                                          "(a truncated or overwritten checkpoint)")  # fmt: skip
-            done += n
+        try:
+            read_exactly(self._fd(file), view, offset)
+        except EOFError as e:
+            raise CheckpointReadError(f"{file} {e}: its metadata says it holds more (a truncated or overwritten "
+                                      "checkpoint)") from e  # fmt: skip
 
     def _load(self, name: str, into: torch.Tensor) -> None:
         import torch.distributed.checkpoint as dcp

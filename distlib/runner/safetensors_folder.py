@@ -35,13 +35,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from distlib import DistlibError
+from distlib.runner.positional_reads import read_exactly
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 PIECE = 64 << 20  # bytes of one read (a longer tensor is read in several)
 BUFFERS = 3  # host buffers in the ring: one being read into while the others are copied out
-# the safetensors dtypes read, those this torch has
-_DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in {
+# the safetensors dtypes read (and written), those this torch has
+DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in {
     "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64", "I32": "int32",
     "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}.items() if hasattr(torch, v)}  # fmt: skip
@@ -194,20 +195,6 @@ class _Buffer:
         self.events = []
 
 
-def _fill(f, view: memoryview, offset: int) -> None:
-    """``len(view)`` bytes of the file from ``offset`` into ``view``."""
-    got = 0
-    while got < len(view):
-        if hasattr(os, "preadv"):
-            n = os.preadv(f.fileno(), [view[got:]], offset + got)
-        else:
-            f.seek(offset + got)
-            n = f.readinto(view[got:])
-        if not n:
-            raise EOFError(f"the file ends before byte {offset + len(view)}")
-        got += n
-
-
 def _advise(f, advice: str, offset: int = 0, nbytes: int = 0) -> None:
     """A hint to the kernel's read-ahead, where there is posix_fadvise."""
     if hasattr(os, "posix_fadvise"):
@@ -234,7 +221,7 @@ def _reader(work: list[tuple[str, list[_Piece]]], free: queue.Queue, filled: que
                         if buffer is None or stop.is_set():
                             return
                         buffer.wait()
-                        _fill(f, buffer.view[: piece.nbytes], piece.offset)
+                        read_exactly(f.fileno(), buffer.view[: piece.nbytes], piece.offset)
                         filled.put((piece, buffer))
         filled.put(_DONE)
     except BaseException as e:  # the calling thread raises it
@@ -338,10 +325,10 @@ def read_into(module: nn.Module, directory: str) -> int:
             s = stored[name]
             if s.shape != tuple(t.shape):
                 raise SafetensorsError(f"{path}: {name} has shape {list(s.shape)}, the model's is {list(t.shape)}")
-            dtype = _DTYPES.get(s.dtype)
+            dtype = DTYPES.get(s.dtype)
             if dtype is None:
                 raise SafetensorsError(f"{path}: {name} is stored as {s.dtype!r}, a dtype not read here (those "
-                                       f"read: {', '.join(_DTYPES)})")  # fmt: skip
+                                       f"read: {', '.join(DTYPES)})")  # fmt: skip
             if s.end - s.start != (nbytes := math.prod(s.shape) * dtype.itemsize):
                 raise SafetensorsError(f"{path}: {name} takes {s.end - s.start} bytes, not the {nbytes} of "
                                        f"{list(s.shape)} {s.dtype}")  # fmt: skip
@@ -369,4 +356,4 @@ def read_into(module: nn.Module, directory: str) -> int:
     return read
 
 
-__all__ = ["INDEX", "SINGLE", "SafetensorsError", "read_into", "weight_files"]
+__all__ = ["DTYPES", "INDEX", "SINGLE", "SafetensorsError", "read_into", "weight_files"]

@@ -28,11 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from distlib.runner.dcp_tensors import bytes_of
+from distlib.runner.safetensors_folder import DTYPES
 
-DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-               torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-               torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}  # fmt: skip
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # the names a safetensors header gives dtypes
 ALIGN = 64  # bytes: where each part starts in a group's read buffer (any dtype views it)
 
 
