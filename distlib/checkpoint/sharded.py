@@ -198,15 +198,15 @@ def _to_host(pairs: list[tuple[torch.Tensor, torch.Tensor]], bounce: list[torch.
             for a in range(0, src.numel(), _BOUNCE):
                 yield src[a : a + _BOUNCE], dst[a : a + _BOUNCE]
 
-    in_flight: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # (bounce buffer, host part, its copy's event)
+    in_flight: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
     free = list(bounce)
     todo = chunks()
 
     def issue() -> None:
         for src, dst in todo:
-            buf = free.pop()
+            buf = free.pop()[: src.numel()]
             with torch.cuda.stream(stream):
-                buf[: src.numel()].copy_(src, non_blocking=True)
+                buf.copy_(src, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
             in_flight.append((buf, dst, event))
@@ -217,9 +217,13 @@ def _to_host(pairs: list[tuple[torch.Tensor, torch.Tensor]], bounce: list[torch.
     while in_flight:
         buf, dst, event = in_flight.pop(0)
         event.synchronize()
-        dst.copy_(buf[: dst.numel()])
-        free.append(buf)
+        dst.copy_(buf)
+        free.append(buf._base if buf._base is not None else buf)
         issue()
+
+
+def _device_bytes(layout: list[Any]) -> int:
+    return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype, device in layout if device.type == "cuda")
 
 
 def _room_on_device(layout: list[Any]) -> bool:
@@ -227,7 +231,7 @@ def _room_on_device(layout: list[Any]) -> bool:
     1 GiB to spare: by the first save the cache holds what the training's steps take at their peak, so
     a copy there takes nothing the steps need."""
     devices = {device for *_, device in layout if device.type == "cuda"}
-    need = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype, device in layout if device.type == "cuda")
+    need = _device_bytes(layout)
     free = min(torch.cuda.mem_get_info(device)[0] for device in devices)
     return free >= need * 1.1 + 2**30
 
