@@ -27,8 +27,8 @@ Parts (``--parts``, default ``anchors,runner,ac``):
   GPU, eager blocks unless ``--ac-compile``, bf16, fused AdamW, two steps) until one runs out of
   memory: the largest batch that trains, its tokens/s and peak memory.
 
-Every row is printed as a JSON line and appended to ``--json`` (default .bench/out/scale.jsonl); a
-markdown table of this run's rows comes last. Each part fits the GPU machine's 10 minutes a command
+Every row is printed as a JSON line and appended to ``--json`` (default .bench/out/scale.jsonl), each
+runner run's output kept in ``logs/`` beside it; a markdown table of this run's rows comes last. Each part fits the GPU machine's 10 minutes a command
 at the default sizes (``--steps`` and ``--modes`` make a run shorter). BENCHMARKS.md, "Large models".
 """
 
@@ -171,6 +171,11 @@ def runner_row(args: argparse.Namespace, shard: str, cache: str, data: str, base
                           text=True)  # fmt: skip
     row = {"part": "runner", "mode": shard, "cache": "cold" if cold else "warm", "rc": proc.returncode,
            "command_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    # the run's own output (TORCH_LOGS=recompiles and the like go there), next to the rows
+    logs = os.path.join(os.path.dirname(args.json) or ".", "logs")
+    os.makedirs(logs, exist_ok=True)
+    with open(os.path.join(logs, f"runner-{shard}-{row['cache']}.log"), "w") as f:
+        f.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         row["note"] = (proc.stderr.strip().splitlines() or ["?"])[-1][-300:]
         return row

@@ -180,9 +180,10 @@ class GradSync:
         # NCCL averages inside the kernel; gloo has no AVG, so buckets are pre-divided.
         self._op, self._prediv = dist.ReduceOp.SUM, False
         if shard == "optimizer":
-            # the same path at world size 1 (buckets, hooks, the optimizer's shard), without collectives;
-            # buckets keep their first layout (reverse registration order): a rebuild after a
-            # reduce_scatter would move gradients that only another rank has averaged
+            # the same path at world size 1 (buckets, hooks, marks, the optimizer's pieces), without the
+            # collectives and without copying gradients (see _layout); buckets keep their first layout
+            # (reverse registration order): a rebuild after a reduce_scatter would move gradients that
+            # only another rank has averaged
             self._rebuilt, self._arrival = True, None
         self.broadcast_buffers = broadcast_buffers
         # DDP's require_forward_param_sync: the last forward was a synced one (grad enabled, outside
@@ -243,7 +244,10 @@ class GradSync:
                 tensors.append(torch.empty(-n % self.world_size, dtype=params[group[0]].dtype, device="meta"))
             else:
                 tensors.append(torch.empty(len(group), dtype=params[group[0]].dtype, device="meta"))
-        flat = FlatBuffers(tensors, params[0].device)
+        # At world size 1 nothing is communicated: each gradient stays where autograd put it (its own
+        # .grad, which the sharded optimizer steps with) and the buckets are a layout without memory.
+        # Copying 4 bytes a parameter into them and reading them back costs a 1.5B model ~3 ms a step.
+        flat = FlatBuffers(tensors, params[0].device if self.world_size > 1 else "meta")
         self._storages = list(flat.flat.values())
         self.buckets = []
         self.layout_version += 1
@@ -307,10 +311,7 @@ class GradSync:
                 # shard="optimizer" at world size 1 (the only case with hooks there): nothing was
                 # communicated, so a second backward before wait() is accumulation, as plain GradSync
                 # takes it there (a loop that sets require_backward_grad_sync only when distributed);
-                # the bucket was filled already: the sum goes there too
-                if slot.param.grad is not slot.view:
-                    with torch.no_grad():
-                        slot.view.copy_(slot.param.grad)
+                # autograd summed it into .grad, where the gradient stays at world size 1
                 return
             raise GradSyncError(
                 f"GradSync: gradient of {self._names.get(id(slot.param), '?')!r} produced twice before "
@@ -330,10 +331,16 @@ class GradSync:
         """Gather the bucket's gradients into its flat buffer and start its all_reduce."""
         if self._joining and bucket.index == 0:
             self._announce(1)  # inside join(): tell ranks that ran out of data that a step follows
+        # The used marks travel with the gradients: a parameter's mark is nonzero after the
+        # all_reduce iff some rank used it (exact under any rounding: only zeros sum to zero).
+        if all(s.used for s in bucket.slots) or _capturing():
+            bucket.used.fill_(1)  # a captured step uses every parameter (its old behaviour)
+        else:
+            bucket.used.copy_(torch.tensor([float(s.used) for s in bucket.slots], dtype=bucket.used.dtype))
+        if self.world_size == 1:
+            return  # shard="optimizer": the marks only; the gradients stay in .grad (see _layout)
         srcs, dsts, zeros = [], [], []
-        all_used = True
         for s in bucket.slots:
-            all_used = all_used and s.used
             g = s.param.grad
             if g is s.view:
                 continue  # accumulated in place by autograd
@@ -346,12 +353,6 @@ class GradSync:
             torch._foreach_copy_(dsts, srcs)
         if zeros:
             torch._foreach_zero_(zeros)
-        # The used marks travel with the gradients: a parameter's mark is nonzero after the
-        # all_reduce iff some rank used it (exact under any rounding: only zeros sum to zero).
-        if all_used or _capturing():
-            bucket.used.fill_(1)  # a captured step uses every parameter (its old behaviour)
-        else:
-            bucket.used.copy_(torch.tensor([float(s.used) for s in bucket.slots], dtype=bucket.used.dtype))
         if self._prediv:
             bucket.flat.div_(self.world_size)
         payload = bucket.flat
@@ -365,8 +366,6 @@ class GradSync:
         group = None
         if self.comm_groups > 1:
             group = collectives.comm_groups(self.comm_groups)[bucket.index % self.comm_groups]
-        if self.world_size == 1:
-            return
         if self.shard == "optimizer":
             bucket.work = sharded_optimizer.reduce_scatter(payload, self._op, group)
             return
@@ -408,10 +407,11 @@ class GradSync:
             self._announced.wait()
             self._announced = None
         unused = []
+        attach = self.world_size > 1  # at world size 1 (sharded) each gradient stays in its .grad
         for s in self._slots:
             if s.used:
                 s.used = False
-                if s.param.grad is not s.view:
+                if attach and s.param.grad is not s.view:
                     s.param.grad = s.view
             else:
                 unused.append(s)
@@ -443,8 +443,8 @@ class GradSync:
         (frozen since the buckets were built). Reads the reduced used marks: one device sync, only
         in steps with a locally unused parameter."""
         if _capturing():  # a captured step: every mark was 1 (see _launch), nothing to read
-            for s in unused:
-                s.param.grad = s.view
+            for s in unused:  # stepped with a zero gradient (the bucket's zeros; at world size 1 its own)
+                s.param.grad = s.view if self.world_size > 1 else torch.zeros_like(s.param)
             return []
         buckets = list({id(s.bucket): s.bucket for s in unused}.values())
         marks = torch.cat([b.used for b in buckets]).tolist()
@@ -529,6 +529,8 @@ class GradSync:
     @torch.no_grad()
     def _reduce_now(self, slots: list[_Slot]) -> None:
         """Average these parameters' gradients now (blocking), with the same used-mark rule."""
+        if self.world_size == 1:
+            return  # each gradient is the average already, and stays in its .grad (see _layout)
         by_dtype: dict[torch.dtype, list[_Slot]] = {}
         for s in slots:
             by_dtype.setdefault(s.param.dtype, []).append(s)

@@ -70,7 +70,10 @@ def reduce_scatter(payload: torch.Tensor, op: dist.ReduceOp, group: dist.Process
 
 
 def _shards(sync: GradSync) -> list[torch.Tensor]:
-    """This rank's slice of each bucket's gradients."""
+    """This rank's slice of each bucket's gradients; at world size 1, where the gradients stay in the
+    parameters' ``.grad`` (GradSync lays its buckets out without memory there), those."""
+    if sync.world_size == 1:
+        return [s.param.grad for s in sync._slots if s.param.grad is not None]
     r, w = collectives.rank(), sync.world_size
     out = []
     for b in sync.buckets:
@@ -177,6 +180,14 @@ def shadow_step(sync: GradSync) -> None:
     if max_norm is not None:
         clip_shards(sync, max_norm)
     opt.step()
+
+
+def _memory_order(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``grad``'s elements flat, in ``param``'s memory order (a piece's order): a view when ``grad`` has
+    ``param``'s strides (autograd gives a gradient its parameter's layout), else a copy in that layout."""
+    if grad.stride() != param.stride():
+        grad = torch.empty_like(param).copy_(grad)  # empty_like keeps the parameter's dense layout
+    return grad.as_strided((grad.numel(),), (1,), grad.storage_offset())
 
 
 class _Piece:
@@ -292,8 +303,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizer; ``full`` (whole fp32 masters and states by id(param)) fills them after a relayout."""
         sync = self.sync
         self._version = sync.layout_version
-        grads = {st.dtype: st for st in sync._storages}
-        self._pstores = {dt: torch.zeros_like(st) for dt, st in grads.items()}
+        grads = {st.dtype: st for st in sync._storages}  # on the meta device at world size 1
+        self._pstores = {dt: torch.zeros(st.shape, dtype=dt, device=sync._device) for dt, st in grads.items()}
         for s in sync._slots:  # every trainable parameter becomes a view of the flat parameter buffer
             v = s.view
             pv = self._pstores[v.dtype].as_strided(v.shape, v.stride(), v.storage_offset())
@@ -412,14 +423,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     inner[k] = v  # LR schedulers change the outer groups
         dsts, srcs = [], []
+        local = self.sync.world_size == 1  # the gradients are in .grad, not in the buckets
         for pc in self._pieces:
             if pc.param.grad is None:  # no rank used it: skipped, as torch's optimizers skip it
                 pc.master.grad = None
-            elif pc.grad32 is None:
-                pc.master.grad = pc.gslice
+                continue
+            grad = _memory_order(pc.param.grad, pc.param)[pc.lo : pc.hi] if local else pc.gslice
+            if pc.grad32 is None:
+                pc.master.grad = grad
             else:
                 dsts.append(pc.grad32)
-                srcs.append(pc.gslice)
+                srcs.append(grad)
                 pc.master.grad = pc.grad32
         if dsts:
             torch._foreach_copy_(dsts, srcs)
@@ -593,7 +607,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state on this rank: ``params`` (every parameter in its dtype, the flat
-        buffers' padding included), ``grads`` (GradSync's buckets), ``master`` (fp32 copies of this
+        buffers' padding included), ``grads`` (GradSync's buckets; at world size 1 the parameters' own
+        ``.grad``, as many bytes), ``master`` (fp32 copies of this
         rank's slice of non-fp32 parameters, and their fp32 gradients; fp32 parameters are stepped in
         place), ``optimizer`` (this rank's optimizer state) and ``total``."""
         trainable = {id(s.param) for s in self.sync._slots}

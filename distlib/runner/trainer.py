@@ -20,6 +20,7 @@ must run its forward passes on every rank (``finish_task``).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import os
 import time
@@ -174,6 +175,12 @@ class Trainer:
             self.warm_up()
             self.timeline.mark("warmup_eval")  # the first evaluation (its cuDNN autotuning)
         self.resume()
+        # Compiling leaves millions of Python objects (graphs, guards, generated code): a full pass of
+        # the collector over them, due whenever enough new objects piled up (FSDP2 makes many a step),
+        # pauses a training step for a tenth of a second or more. Collect once now and keep what
+        # survives out of later passes (torchtitan turns automatic collection off for the same reason).
+        gc.collect()
+        gc.freeze()
         self.timeline.mark("resume")
 
     def build_model(self) -> torch.nn.Module:
@@ -467,6 +474,7 @@ class Trainer:
         if self.watchdog is not None:
             self.watchdog.close()
         distlib.shutdown()  # the final barrier after success; nothing left to do after a failure
+        gc.unfreeze()  # what build() froze can be collected again (a process that trains again)
         if self.finished_rows is not None:
             self.timeline.mark("shutdown")
             summary = self.timeline.finish()  # the last stamp the process can make; interpreter exit follows

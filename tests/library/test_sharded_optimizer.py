@@ -210,6 +210,68 @@ def test_world_size_one_equals_plain_optimizer():
     assert _rel(results["plain"], results["sharded"]) <= BOUND
 
 
+class ConvNet(nn.Module):
+    """A channels_last convolution (its weight's memory order is not its index order) before a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.relu(self.conv(x)).mean((2, 3)))
+
+
+def _local_run(ctx, mode: str, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[bool]]:
+    """Three AdamW steps with clipping and a two-micro-step accumulation, the same batches on every
+    rank; ``stayed``: after each wait(), every .grad is still the tensor autograd made."""
+    torch.manual_seed(0)
+    model = ConvNet().to(memory_format=torch.channels_last).to(dtype)
+    if mode == "plain":
+        sync, opt = None, torch.optim.AdamW(model.parameters(), lr=0.01)
+    else:
+        sync = GradSync(model, shard="optimizer", **TINY)
+        opt = sync.sharded_optimizer(torch.optim.AdamW, model.parameters(), lr=0.01)
+        if ctx.world_size == 1:
+            assert all(st.device.type == "meta" for st in sync._storages)  # buckets: a layout, no memory
+    stayed = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 3, 6, 6, generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
+        y = torch.randint(0, 10, (4,), generator=g)
+        for k in range(2):
+            with sync.no_sync() if sync is not None and k == 0 else contextlib.nullcontext():
+                (F.cross_entropy(model(x[2 * k : 2 * k + 2]).float(), y[2 * k : 2 * k + 2]) / 2).backward()
+        if sync is None:
+            nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        else:
+            grads = [p.grad for p in model.parameters()]
+            sync.wait()
+            stayed.append(all(p.grad is g for p, g in zip(model.parameters(), grads)))
+            sync.clip_grad_norm_(0.05)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], stayed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_world_size_one_steps_the_gradients_where_autograd_put_them(dtype):
+    """At world size 1 nothing is communicated, so nothing is copied: the sharded optimizer steps
+    each parameter's own .grad (a channels_last weight included) and trains as the plain optimizer."""
+
+    class _One:
+        rank, world_size = 0, 1
+
+    sharded, stayed = _local_run(_One, "sharded", dtype)
+    assert stayed == [True] * 3
+    if dtype == torch.float32:
+        assert _rel(_local_run(_One, "plain", dtype)[0], sharded) <= BOUND
+    # two ranks on the same batches (the buckets, the reduce_scatter, the all_gathers): the same step,
+    # fp32 masters of bf16 weights included, up to the clipping norm's order of summation
+    for got, _ in run_ranks(_local_run, 2, "sharded", dtype):
+        assert _rel(got, sharded) <= 1e-5
+
+
 def _overlap_case(ctx) -> dict:
     """overlap_param_gather: step() returns with the all_gathers in flight, each module's forward
     waits for its own buckets; the training equals the step that waits at its end."""

@@ -8,6 +8,7 @@ evaluation averages the ranks' BatchNorm statistics first."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import os
@@ -103,6 +104,16 @@ def test_the_train_state_is_saved_typed_and_restored(tmp_path, world_size_1):
     shutil.rmtree(out / "checkpoints" / step_name(2 * steps))
     resumed, _ = train(str(out), fit=False)
     assert resumed.state.state_dict() == state  # the clocks continue from where they were
+
+
+def test_training_starts_with_the_build_s_objects_out_of_the_collector(tmp_path, world_size_1):
+    """What build() left (a compile's graphs and code) is collected once and frozen, so the collector's
+    full passes during training do not walk it; the teardown unfreezes it."""
+    cfg = load_config(DEMO, [*SMALL, f"run.out_dir={tmp_path / 'out'}"])
+    assert gc.get_freeze_count() == 0
+    with built(cfg, distlib.init("gloo")):
+        frozen = gc.get_freeze_count()
+    assert frozen > 0 and gc.get_freeze_count() == 0
 
 
 def _launch(tmp_path) -> int:
