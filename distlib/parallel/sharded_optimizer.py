@@ -441,6 +441,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         low = [pc for pc in self._pieces if pc.grad32 is not None]
         if low:
             torch._foreach_copy_([pc.pslice for pc in low], [pc.master for pc in low])
+        if local:  # views of the parameters' .grad: zero_grad(set_to_none=True) must free that memory
+            for pc in self._pieces:
+                pc.master.grad = None
 
     def _waiter(self, buckets: list[int]):
         def hook(module, args) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -224,7 +225,8 @@ class ConvNet(nn.Module):
 
 def _local_run(ctx, mode: str, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[bool]]:
     """Three AdamW steps with clipping and a two-micro-step accumulation, the same batches on every
-    rank; ``stayed``: after each wait(), every .grad is still the tensor autograd made."""
+    rank; ``stayed``: after each wait(), every .grad is still the tensor autograd made, and after each
+    zero_grad() nothing holds it any more."""
     torch.manual_seed(0)
     model = ConvNet().to(memory_format=torch.channels_last).to(dtype)
     if mode == "plain":
@@ -249,8 +251,12 @@ def _local_run(ctx, mode: str, dtype: torch.dtype) -> tuple[list[torch.Tensor], 
             sync.wait()
             stayed.append(all(p.grad is g for p, g in zip(model.parameters(), grads)))
             sync.clip_grad_norm_(0.05)
+            refs = [weakref.ref(g) for g in grads]
+            del grads
         opt.step()
         opt.zero_grad()
+        if sync is not None:  # nothing holds on to the step's gradients: zero_grad() freed them
+            stayed.append(all(r() is None for r in refs))
     return [p.detach().clone() for p in model.parameters()], stayed
 
 
@@ -263,7 +269,7 @@ def test_world_size_one_steps_the_gradients_where_autograd_put_them(dtype):
         rank, world_size = 0, 1
 
     sharded, stayed = _local_run(_One, "sharded", dtype)
-    assert stayed == [True] * 3
+    assert stayed == [True] * 6
     if dtype == torch.float32:
         assert _rel(_local_run(_One, "plain", dtype)[0], sharded) <= BOUND
     # two ranks on the same batches (the buckets, the reduce_scatter, the all_gathers): the same step,
