@@ -28,8 +28,9 @@ Parts (``--parts``, default ``anchors,runner,ac``):
   memory: the largest batch that trains, its tokens/s and peak memory.
 
 Every row is printed as a JSON line and appended to ``--json`` (default .bench/out/scale.jsonl), each
-runner run's output kept in ``logs/`` beside it; a markdown table of this run's rows comes last. Each part fits the GPU machine's 10 minutes a command
-at the default sizes (``--steps`` and ``--modes`` make a run shorter). BENCHMARKS.md, "Large models".
+runner run's output kept in ``logs/`` beside it; a markdown table of this run's rows comes last.
+Each part fits the GPU machine's 10 minutes a command at the default sizes (``--steps`` and
+``--modes`` make a run shorter). BENCHMARKS.md, "Large models".
 """
 
 from __future__ import annotations

@@ -457,6 +457,9 @@ class Trainer:
         """Tear down whatever was built, after success or any failure (``error``). A collective
         failed or Ctrl-C: leave the process group at once (``abort``: the peers may be gone).
         Any other error: no final barrier (a peer that did not fail alike would never arrive)."""
+        # what build() froze can be collected again: shutdown's collection must reach the cycles that
+        # still hold a process group (FSDP2's modules), and a process may train again
+        gc.unfreeze()
         if error is not None:
             if isinstance(error, KeyboardInterrupt) or describe(error, rank=self.ctx.rank,
                                                                 timeout_s=self.cfg.dist.timeout_s):  # fmt: skip
@@ -474,7 +477,6 @@ class Trainer:
         if self.watchdog is not None:
             self.watchdog.close()
         distlib.shutdown()  # the final barrier after success; nothing left to do after a failure
-        gc.unfreeze()  # what build() froze can be collected again (a process that trains again)
         if self.finished_rows is not None:
             self.timeline.mark("shutdown")
             summary = self.timeline.finish()  # the last stamp the process can make; interpreter exit follows

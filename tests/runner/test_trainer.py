@@ -106,14 +106,19 @@ def test_the_train_state_is_saved_typed_and_restored(tmp_path, world_size_1):
     assert resumed.state.state_dict() == state  # the clocks continue from where they were
 
 
-def test_training_starts_with_the_build_s_objects_out_of_the_collector(tmp_path, world_size_1):
+def test_training_starts_with_the_build_s_objects_out_of_the_collector(tmp_path, world_size_1, capsys):
     """What build() left (a compile's graphs and code) is collected once and frozen, so the collector's
-    full passes during training do not walk it; the teardown unfreezes it."""
-    cfg = load_config(DEMO, [*SMALL, f"run.out_dir={tmp_path / 'out'}"])
+    full passes during training do not walk it; the teardown unfreezes it before the process group
+    goes, so that the group held by a fully sharded model's cycles is found and released."""
+    gpt = os.path.join(ROOT, "recipes", "gpt_demo.yaml")
+    cfg = load_config(gpt, ["train.epochs=1", "data.train_subset=64", "train.sample_tokens=0", "dist.shard=full",
+                            "run.progress=plain", f"run.out_dir={tmp_path / 'out'}"])  # fmt: skip
     assert gc.get_freeze_count() == 0
-    with built(cfg, distlib.init("gloo")):
+    with built(cfg, distlib.init("gloo")) as trainer:
         frozen = gc.get_freeze_count()
+        assert trainer.fit() == 0
     assert frozen > 0 and gc.get_freeze_count() == 0
+    assert "still referenced after shutdown" not in capsys.readouterr().err
 
 
 def _launch(tmp_path) -> int:
