@@ -611,9 +611,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state on this rank: ``params`` (every parameter in its dtype, the flat
         buffers' padding included), ``grads`` (GradSync's buckets; at world size 1 the parameters' own
-        ``.grad``, as many bytes), ``master`` (fp32 copies of this
-        rank's slice of non-fp32 parameters, and their fp32 gradients; fp32 parameters are stepped in
-        place), ``optimizer`` (this rank's optimizer state) and ``total``."""
+        ``.grad``, as many bytes), ``master`` (fp32 copies of this rank's slice of non-fp32 parameters,
+        and their fp32 gradients; fp32 parameters are stepped in place), ``optimizer`` (this rank's
+        optimizer state) and ``total``."""
         trainable = {id(s.param) for s in self.sync._slots}
         frozen = sum(p.numel() * p.element_size() for p in self.sync.model.parameters() if id(p) not in trainable)
         out = {

@@ -175,10 +175,10 @@ class Trainer:
             self.warm_up()
             self.timeline.mark("warmup_eval")  # the first evaluation (its cuDNN autotuning)
         self.resume()
-        # Compiling leaves millions of Python objects (graphs, guards, generated code): a full pass of
-        # the collector over them, due whenever enough new objects piled up (FSDP2 makes many a step),
-        # pauses a training step for a tenth of a second or more. Collect once now and keep what
-        # survives out of later passes (torchtitan turns automatic collection off for the same reason).
+        # Compiling leaves many Python objects (graphs, guards, generated code): a full pass of the
+        # collector over them, due whenever enough new objects piled up (FSDP2 makes many a step),
+        # pauses the training step it falls in. Collect once now and keep what survives out of later
+        # passes (torchtitan turns automatic collection off for the same reason).
         gc.collect()
         gc.freeze()
         self.timeline.mark("resume")
