@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.utils._pytree import tree_map_only
 
 from distlib.checkpoint.checkpointer import CheckpointError, differences
 from distlib.checkpoint.staging import pin_in_place
@@ -407,11 +408,13 @@ class ShardedCheckpointer:
         self.settings = dict(settings or {})
         self.verify = verify
         self._group: dist.ProcessGroup | None = None
-        # the host copy of the state for this layout, and whether its GPU tensors are staged on the device first
-        self._staging: tuple[dict[str, Any], list[Any], bool] | None = None
+        # the host copy of the state for this layout, whether its GPU tensors are staged on the device first,
+        # and whether the copy is page-locked (what staging on the host needs; an in-place save does not)
+        self._staging: list[Any] | None = None
         self._stream: Any = None  # the CUDA stream that stages
         self._bounce: list[torch.Tensor] = []  # page-locked buffers a device-staged copy goes to the host through
         self._staged_event: Any = None  # recorded on it after the copies of the save in flight
+        self._reading: threading.Event | None = None  # set once an in-place save's write no longer reads the tensors
         self._hooked: set[int] = set()  # the optimizers whose step waits for staging
         self._pending: tuple[int, str, dict[str, Any], threading.Thread | None, dict[str, Any]] | None = None
         # distlib.shutdown() (and the exit hook) commit a save still in flight, and drop this object's group
@@ -459,7 +462,7 @@ class ShardedCheckpointer:
 
     # ---- save -----------------------------------------------------------------------------
 
-    def save(self, step: int, objects: Mapping[str, Any], *, async_: bool = False) -> None:
+    def save(self, step: int, objects: Mapping[str, Any], *, async_: bool = False, in_place: bool = False) -> None:
         """Write a checkpoint of ``objects`` (name -> module, optimizer, scheduler, plain dict, ...) at ``step``.
 
         With ``async_=True`` the state is copied (staged) to host memory, the write continues in a background
@@ -467,6 +470,12 @@ class ShardedCheckpointer:
         every rank finished writing. Waits for the previous save first. A collective: every rank must call
         it, in the same order, with the same ``step``. Raises CheckpointError on every rank when one cannot
         write (a leftover partial directory names itself and the fix).
+
+        ``in_place`` (with ``async_``): nothing is staged; the background write reads the tensors where they
+        are (from a GPU through a few page-locked buffers, on a stream of its own), and the next ``step()``
+        of an optimizer among ``objects`` waits until it no longer does. For a save followed by work that
+        changes no saved tensor, such as a final evaluation: it takes no GPU memory and blocks for no copy.
+        The modules' buffers are still copied at the call (a forward in training mode changes them).
         """
         self.wait()
         rank = collectives.rank()
@@ -494,18 +503,26 @@ class ShardedCheckpointer:
         state = _state_dicts(objects)
         files: dict[str, Any] = {}
         if async_:
-            staged, on_device = self._stage(state, objects)
+            reading = threading.Event() if in_place else None
+            staged, on_device = self._stage(state, objects, in_place=in_place)
+            self._reading = reading
+            staged_on_gpu = self._staged_event is not None  # else the write reads the tensors to its end
 
             def write() -> None:  # off the training thread: the write, DCP's finish step, the files' sizes
                 try:
-                    if on_device:  # the device copy to the host, then freed
+                    if on_device:  # the device copies (or, in place, the tensors themselves) to the host
                         _to_host(on_device, self._bounce, self._stream)
                     elif self._staged_event is not None:
                         self._staged_event.synchronize()
+                    if reading is not None and staged_on_gpu:
+                        reading.set()  # from a GPU: what the write reads is in host memory now
                     dcp.save(staged, storage_writer=self._writer(partial), process_group=self._pg())
                     files.update(_own_files(partial, rank))
                 except BaseException as e:  # reported by wait() on every rank
                     files["error"] = f"{type(e).__name__}: {e}"
+                finally:
+                    if reading is not None:
+                        reading.set()
 
             self._pg()  # a collective when it creates the group: here, on every rank, not in the thread
             thread = threading.Thread(target=write, name="distlib-checkpoint", daemon=True)
@@ -528,10 +545,12 @@ class ShardedCheckpointer:
         with 1 thread, 18.5 s with 4, 15.5 s with 8; ``torch.save`` 35.7 s)."""
         return dcp.FileSystemWriter(partial, thread_count=self.write_threads)
 
-    def _stage(self, state: dict[str, Any], objects: Mapping[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    def _stage(self, state: dict[str, Any], objects: Mapping[str, Any], *,
+               in_place: bool = False) -> tuple[dict[str, Any], list[Any]]:  # fmt: skip
         """A copy of ``state`` for the background write, and the device-to-host copies left to the write
-        (``(device copy, host tensor)`` pairs, ``staging="device"``). The host copy is kept and reused while
-        the layout stays the same (staging then copies, never allocates).
+        (``(device copy, host tensor)`` pairs, ``staging="device"``; ``in_place``: the GPU tensors
+        themselves). The host copy is kept and reused while the layout stays the same (staging then
+        copies, never allocates); ``in_place`` on the CPU makes none (the write reads the tensors).
 
         On a GPU the copies run on a stream of their own and this returns at once: the next
         ``optimizer.step()`` of an optimizer among ``objects`` (through a step pre-hook), and the write,
@@ -545,20 +564,28 @@ class ShardedCheckpointer:
 
         layout = _layout(state)
         cuda = any(device.type == "cuda" for *_, device in layout)
+        buffers = {b.data_ptr() for o in objects.values() if isinstance(o, nn.Module) for b in o.buffers()}
+        for opt in (o for o in objects.values() if isinstance(o, torch.optim.Optimizer)):
+            if id(opt) not in self._hooked:
+                self._hooked.add(id(opt))
+                opt.register_step_pre_hook(self._before_step)
+        if in_place and not cuda:  # the write reads the tensors themselves; the buffers as of now
+            self._staged_event = None
+            return tree_map_only(torch.Tensor, lambda t: t.clone() if _local(t).data_ptr() in buffers else t,
+                                 state), []  # fmt: skip
         if self._staging is None or self._staging[1] != layout:
             self._staging = None  # the old copy's memory goes back before the new one is taken
             on_device = cuda and (self.staging == "device" or (self.staging == "auto" and _room_on_device(layout)))
-            host = _create_cpu_state_dict(state)
-            if cuda and not on_device:
-                pin_in_place(_host_tensors(host))  # the staging copies run asynchronously at the link's speed
-            if on_device and not self._bounce:
-                self._bounce = [torch.empty(_BOUNCE, dtype=torch.uint8, pin_memory=True) for _ in range(_BOUNCES)]
-            self._staging = (host, layout, on_device)
-        host, _, on_device = self._staging
+            self._staging = [_create_cpu_state_dict(state), layout, on_device, False]
+        host, _, on_device, pinned = self._staging
+        if cuda and not on_device and not in_place and not pinned:
+            pin_in_place(_host_tensors(host))  # the staging copies run asynchronously at the link's speed
+            self._staging[3] = True
         if not cuda:
             self._staged_event = None
             return _stage_into(state, host, lambda source, target: target.copy_(source)), []
-        buffers = {b.data_ptr() for o in objects.values() if isinstance(o, nn.Module) for b in o.buffers()}
+        if (on_device or in_place) and not self._bounce:
+            self._bounce = [torch.empty(_BOUNCE, dtype=torch.uint8, pin_memory=True) for _ in range(_BOUNCES)]
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         self._stream.wait_stream(torch.cuda.current_stream())  # the state as of this step
@@ -566,11 +593,14 @@ class ShardedCheckpointer:
 
         def copy(source: torch.Tensor, target: torch.Tensor) -> None:
             # module buffers (a state_dict holds them detached) on the current stream, before the next forward
-            stream = torch.cuda.current_stream() if source.data_ptr() in buffers else self._stream
+            buffer = source.data_ptr() in buffers
+            stream = torch.cuda.current_stream() if buffer else self._stream
             with torch.cuda.stream(stream):
                 if not source.is_cuda:
                     target.copy_(source)
-                elif on_device:
+                elif in_place and not buffer and source.is_contiguous():
+                    pairs.append((source, target))  # read where it is, by the write's thread
+                elif on_device or in_place:
                     pairs.append((source.clone(memory_format=torch.contiguous_format), target))
                 else:
                     target.copy_(source, non_blocking=True)
@@ -579,21 +609,22 @@ class ShardedCheckpointer:
         self._stream.wait_stream(torch.cuda.current_stream())  # the buffers' copies too, nothing later
         self._staged_event = torch.cuda.Event()
         self._staged_event.record(self._stream)
-        for opt in (o for o in objects.values() if isinstance(o, torch.optim.Optimizer)):
-            if id(opt) not in self._hooked:
-                self._hooked.add(id(opt))
-                opt.register_step_pre_hook(self._before_step)
         return staged, pairs
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """An optimizer's step changes the state being staged: its kernels wait for the staging copies
-        (on the GPU, no wait on the host)."""
+        (on the GPU, no wait on the host); after an in-place save, the host waits until the write no
+        longer reads the tensors."""
+        if self._reading is not None:
+            self._reading.wait()
         if self._staged_event is not None:
             torch.cuda.current_stream().wait_event(self._staged_event)
 
     def wait_staged(self) -> None:
         """Block until the state of the save in flight is staged (on the host): for a step that changes
         the saved tensors other than through an optimizer's ``step()`` (a captured CUDA graph)."""
+        if self._reading is not None:
+            self._reading.wait()
         if self._staged_event is not None:
             self._staged_event.synchronize()
 
@@ -609,6 +640,7 @@ class ShardedCheckpointer:
         _IN_FLIGHT.discard(self)
         if thread is not None:
             thread.join()
+        self._reading = None
         error = files.pop("error", None)
         if error:
             error = f"rank {collectives.rank()} could not write checkpoint {partial}: {error}"

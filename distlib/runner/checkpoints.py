@@ -205,13 +205,15 @@ class RunCheckpoints:
             path = os.path.join(self.directory, f"step{step:09d}")
             get_logger().info("resuming from %s: epoch %d, step %d", path, state.epoch, state.step)
 
-    def save(self, *, epoch: int, step: int, global_step: int, async_: bool = False) -> None:
+    def save(self, *, epoch: int, step: int, global_step: int, async_: bool = False, in_place: bool = False) -> None:
         """``async_``: staged to host memory and written in the background (at most one in flight: the
         next save waits for it), committed by ``commit_if_written`` once every rank has written it, by
-        the next save, or by ``distlib.shutdown()``; as atomically as a synchronous one."""
+        ``finish``, the next save, or ``distlib.shutdown()``; as atomically as a synchronous one.
+        ``in_place``: not staged, the write reads the tensors where they are (ShardedCheckpointer's):
+        for the final save, which nothing but evaluation and sampling follows."""
         self._settle()
         self.ranks.gather()
-        self.checkpointer.save(global_step, self.objects, async_=async_)
+        self.checkpointer.save(global_step, self.objects, async_=async_, in_place=in_place)
         if async_:
             self._in_flight = True
             if self._group is None and collectives.world_size() > 1:  # a collective: every rank saves here
@@ -238,6 +240,12 @@ class RunCheckpoints:
                 return
         self._flag.fill_(0 if self.checkpointer.written() else 1)
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+
+    def finish(self) -> None:
+        """Wait for the background save in flight (if any) and commit it. A collective: every rank must call it."""
+        self._settle()
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
 
     def _settle(self) -> None:
         """Finish the agreement in flight (every rank has one): the next save commits the write itself."""

@@ -6,6 +6,7 @@ The same code runs on the CPU (tests, the demo) and on a GPU.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -165,8 +166,13 @@ def eval_shards(
     images: torch.Tensor, labels: torch.Tensor, rank: int, world_size: int, batch_size: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's exact shard (indices rank, rank+W, ...) in batches: over all
-    ranks every sample appears exactly once."""
-    idx = torch.arange(rank, images.shape[0], world_size, device=images.device)
+    ranks every sample appears exactly once. Every rank yields as many batches as the largest
+    shard needs (a fully sharded model's forward is a collective): a rank whose shard ends a batch
+    early yields one more, of one sample labelled -1, which no prediction matches."""
+    n = images.shape[0]
+    idx = torch.arange(rank, n, world_size, device=images.device)
     for i in range(0, idx.numel(), batch_size):
         j = idx[i : i + batch_size]
         yield images[j], labels[j]
+    if math.ceil(math.ceil(n / world_size) / batch_size) > math.ceil(idx.numel() / batch_size):
+        yield images[:1], torch.full_like(labels[:1], -1)

@@ -14,6 +14,7 @@ through the library's ``distributed_loader``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -33,7 +34,7 @@ from distlib.runner.data import DataError, load_image_set
 from distlib.runner.device_loader import DeviceLoader, normalize_stats
 from distlib.runner.evaluation import evaluate
 from distlib.runner.step import LossFn
-from distlib.runner.text_data import TokenLoader, eval_windows
+from distlib.runner.text_data import IGNORED, TokenLoader, eval_windows
 from distlib.runner.throughput import flops_per_token, gpus_per_process, mfu, peak_tflops
 from distlib.runner.timeline import Timeline
 
@@ -71,6 +72,11 @@ class Task:
     def evaluate(self, model: nn.Module, autocast: contextlib.AbstractContextManager, final: bool) -> dict[str, Any]:
         """The evaluation metrics (metrics.jsonl keys) of ``model``. A collective."""
         raise NotImplementedError
+
+    def warm_up_evaluate(self, model: nn.Module, autocast: contextlib.AbstractContextManager) -> None:
+        """Run what the final evaluation runs, so that its kernels are ready (compiled, autotuned) before
+        the training clock starts; by default the final evaluation itself. A collective."""
+        self.evaluate(model, autocast, final=True)
 
     def rates(self, samples_per_s: float, model: nn.Module) -> dict[str, Any]:
         """Throughput fields of a metrics row, from the global samples per second."""
@@ -248,25 +254,36 @@ class CausalLMTask(Task):
         x, y = next(iter(self.loader.loader))
         return x.to(device), y.to(device)
 
-    def _val_batches(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+    def _val_batches(self, ends_only: bool = False) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         if self.text:
             if self.val_tokens is None:
                 return []
             return eval_windows(self.val_tokens, self.block_size, self.ctx.rank, self.ctx.world_size,
                                 batch_size=self.per_rank, device=self.ctx.device,
-                                vocab_size=self.token_ids)  # fmt: skip
-        return self.val_loader if self.val_loader is not None else []
+                                vocab_size=self.token_ids, ends_only=ends_only)  # fmt: skip
+        if self.val_loader is None:
+            return []
+        return itertools.islice(self.val_loader, 2) if ends_only else self.val_loader
+
+    def warm_up_evaluate(self, model: nn.Module, autocast: contextlib.AbstractContextManager) -> None:
+        # the first batch and the last: the shapes of every evaluation, not a pass over a split that
+        # may be as large as the training's
+        self._evaluate(model, autocast, self._val_batches(ends_only=True))
 
     def evaluate(self, model: nn.Module, autocast: contextlib.AbstractContextManager, final: bool) -> dict[str, Any]:
+        return self._evaluate(model, autocast, self._val_batches())
+
+    def _evaluate(self, model: nn.Module, autocast: contextlib.AbstractContextManager,
+                  batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:  # fmt: skip
         sums = torch.zeros(2, device=self.ctx.device, dtype=torch.float64)  # summed token loss, tokens
         model.eval()
         with torch.no_grad():
-            for x, y in self._val_batches():
+            for x, y in batches:
                 x, y = x.to(self.ctx.device), y.to(self.ctx.device)
                 with autocast:
                     logits = model(x)
                 sums[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
-                sums[1] += y.numel()
+                sums[1] += (y != IGNORED).sum()  # a padding window's targets count for nothing
         model.train()
         distlib.all_reduce(sums)
         if sums[1].item() == 0:

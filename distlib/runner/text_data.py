@@ -7,6 +7,7 @@ windows there, a token file's windows read from its memory map (no CPU DataLoade
 from __future__ import annotations
 
 import gzip
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -124,24 +125,33 @@ class TokenLoader:
             yield w[:, :-1], w[:, 1:]
 
 
+IGNORED = -100  # cross_entropy's ignore_index: the targets of a window that counts for nothing
+
+
 def eval_windows(tokens: torch.Tensor | TokenStream, block_size: int, rank: int, world_size: int, batch_size: int,
-                 device: torch.device,
-                 vocab_size: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+                 device: torch.device, vocab_size: int | None = None,
+                 ends_only: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
     """This rank's share (windows rank, rank + W, ...) of the non-overlapping windows of ``tokens``:
-    over all ranks every window exactly once."""
+    over all ranks every window exactly once. Every rank yields as many batches as the largest share
+    needs (a fully sharded model's forward is a collective): a rank whose share ends a batch early
+    yields one more, of one window whose targets are all ``IGNORED``. ``ends_only``: the first batch
+    and the last, the shapes an evaluation runs (a warm-up), on every rank alike."""
     n = (len(tokens) - 1) // block_size
-    if not isinstance(tokens, torch.Tensor):
-        idx = np.arange(rank, n, world_size)
-        for i in range(0, len(idx), batch_size):
-            at = idx[i : i + batch_size] * block_size
+    largest = math.ceil(math.ceil(n / world_size) / batch_size)  # the batches of the largest share
+    idx = np.arange(rank, n, world_size)
+    batches: list[np.ndarray | None] = [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
+    batches += [None] * (largest - len(batches))  # None: a window that counts for nothing
+    if ends_only:
+        batches = batches[:1] + batches[1:][-1:]
+    span = torch.arange(block_size + 1, device=device)
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.to(device)
+    for b in batches:
+        at = np.zeros(1, dtype=np.int64) if b is None else b * block_size
+        if isinstance(tokens, torch.Tensor):
+            w = tokens[torch.from_numpy(at).to(device).view(-1, 1) + span].long()
+        else:
             windows = tokens.gather(at, block_size + 1)
             tokens.check_vocab(windows, at, vocab_size)
             w = torch.from_numpy(windows).to(device)
-            yield w[:, :-1], w[:, 1:]
-        return
-    tokens = tokens.to(device)
-    idx = torch.arange(rank, n, world_size, device=device)
-    span = torch.arange(block_size + 1, device=device)
-    for i in range(0, idx.numel(), batch_size):
-        w = tokens[(idx[i : i + batch_size] * block_size).view(-1, 1) + span].long()
-        yield w[:, :-1], w[:, 1:]
+        yield w[:, :-1], torch.full_like(w[:, 1:], IGNORED, dtype=torch.long) if b is None else w[:, 1:]

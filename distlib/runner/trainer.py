@@ -121,6 +121,7 @@ class Trainer:
         self.profiler = StepProfiler(os.path.join(cfg.run.out_dir, "profile"), ctx.rank, ctx.device,
                                      enabled=p.enabled, wait=p.wait, warmup=p.warmup, active=p.active)  # fmt: skip
         self.step_fn: TrainStep | None = None
+        self._final_save_t0: float | None = None  # when the final checkpoint's save began
         self.task: Task | None = None
         self.tensorboard: TensorBoardLog | None = None
         self.stop: StopSignal | None = None
@@ -235,7 +236,7 @@ class Trainer:
         self.step_fn.warm_up(x, y, steps=self.cfg.train.prewarm_steps)
         torch.cuda.synchronize()
         self.timeline.mark("warmup")  # training steps: cuDNN autotuning, lazy set-up, graph capture
-        self.task.evaluate(self.model, self.autocast, final=True)  # the final one's kernels (tta) too
+        self.task.warm_up_evaluate(self.model, self.autocast)  # the final evaluation's kernels (tta) too
         torch.cuda.synchronize()
 
     def resume(self) -> None:
@@ -304,6 +305,10 @@ class Trainer:
                 return self.stop.exit_code
         self.finish_task()
         self.timeline.mark("sample")  # what the task shows at the end: a language model's generated sample
+        self.checkpoints.finish()  # the final checkpoint, written meanwhile: committed after the last row
+        self.timeline.mark("checkpoint")  # what is left of its write after the evaluation and the sample
+        if self._final_save_t0 is not None:
+            self.timeline.note(final_checkpoint_s=round(time.perf_counter() - self._final_save_t0, 3))
         self.finished_rows = self.run.read_metrics()  # the summary is printed after the teardown
         self.curves.write_detached(self.run.metrics_path)  # curves.png appears shortly after the exit
         self.stop.close()
@@ -366,15 +371,26 @@ class Trainer:
 
     def end_of_step(self) -> None:
         """What the budget asks for after this step: the evaluation (the final one after the budget's
-        last step), the metrics row (at an evaluation and at an epoch's end), the checkpoint."""
+        last step), the metrics row (at an evaluation and at an epoch's end), the checkpoint. The final
+        checkpoint is written in the background while the final evaluation and the task's sample run
+        (they change nothing it saves) and committed by ``fit`` after them: the run's last row is
+        logged before its checkpoint exists (a crash in between rewrites the row, never skips it)."""
         s, t, budget = self.state, self.cfg.train, self.budget
-        step, steps = self.global_step, s.step  # global; this epoch's
+        step, steps, epoch_s = self.global_step, s.step, s.epoch_s  # global; this epoch's
         epoch, final, ends_epoch = s.epoch + 1, budget.done(step), s.step == len(self.loader)
+        evaluates = budget.evaluates(step)
+        logs = ends_epoch or evaluates
+        train_loss = distlib.all_reduce(s.loss_sum.clone(), op="mean").item() / steps if logs else 0.0
+        if ends_epoch:
+            s.epoch, s.step, s.train_s, s.epoch_s = epoch, 0, s.train_s + s.epoch_s, 0.0
+        synced = final and budget.checkpoints(step)
+        if synced:
+            self.sync_buffers()  # what the final evaluation sees is what the checkpoint holds
+            self.save_checkpoint(final=True)
+        results = self.evaluate(final=final, synced=synced) if evaluates else dict.fromkeys(self.task.metrics)
         row = None
-        if ends_epoch or budget.evaluates(step):
-            results = self.evaluate(final=final) if budget.evaluates(step) else dict.fromkeys(self.task.metrics)
-            train_loss = distlib.all_reduce(s.loss_sum.clone(), op="mean").item() / steps
-            samples_per_s = steps * t.batch_size / s.epoch_s
+        if logs:
+            samples_per_s = steps * t.batch_size / epoch_s
             row = {
                 "epoch": epoch,  # the epoch this row is in: its end, or ``epoch_step`` steps into it
                 **({} if ends_epoch else {"epoch_step": steps}),
@@ -384,8 +400,8 @@ class Trainer:
                 **results,
                 **self.task.rates(samples_per_s, self.model),
                 "samples_per_s": round(samples_per_s, 1),
-                "epoch_s": round(s.epoch_s, 3),
-                "train_s": round(s.train_s + s.epoch_s, 3),
+                "epoch_s": round(epoch_s, 3),
+                "train_s": round(s.train_s + s.epoch_s, 3),  # the final evaluation's included
                 "elapsed_s": round(time.perf_counter() - self._t_start, 3),
                 "lr": self.optimizer.param_groups[0]["lr"],
                 "world_size": self.ctx.world_size,
@@ -393,27 +409,29 @@ class Trainer:
             if (memory := peak_memory_gib(self.ctx.device)) is not None:  # a collective, on a GPU
                 row["peak_mem_gib"] = memory
             self.run.log_metrics(row)  # before the checkpoint: a crash in between rewrites the row, never skips it
-        if ends_epoch:
-            s.epoch, s.step, s.train_s, s.epoch_s = epoch, 0, s.train_s + s.epoch_s, 0.0
-        if budget.checkpoints(step):
-            self.save_checkpoint(background=not final)  # the final save is the one the run ends on
+        if budget.checkpoints(step) and not final:
+            self.save_checkpoint(background=True)
         if row is not None:
             self.progress.epoch_end(row, ends_epoch=ends_epoch)
             self.curves.add(row)
             self.tensorboard.add(row, step=step)
         if final:
-            self.timeline.mark("checkpoint")  # the last metrics row, shown and logged, and the final checkpoint
+            self.timeline.mark("metrics")  # the last metrics row, shown and logged
 
-    def evaluate(self, final: bool = False) -> dict[str, Any]:
-        """The task's metrics (test accuracy; validation loss and perplexity) of the evaluated
-        model (the EMA when there is one), with every rank's buffers averaged first. ``final``:
-        with test-time augmentation, on the training clock."""
-        t_eval = time.perf_counter()
+    def sync_buffers(self) -> None:
+        """Every rank's buffers averaged (a collective): each rank's BatchNorm statistics follow its own
+        batches, so that every rank evaluates, and a checkpoint holds, the same model whatever the world size."""
         self.step_fn.sync_buffers()
+        distlib.sync_buffers(self.ema.module if self.ema is not None else self.model)
+
+    def evaluate(self, final: bool = False, synced: bool = False) -> dict[str, Any]:
+        """The task's metrics (test accuracy; validation loss and perplexity) of the evaluated
+        model (the EMA when there is one), with every rank's buffers averaged first (unless
+        ``synced``: just done). ``final``: with test-time augmentation, on the training clock."""
+        t_eval = time.perf_counter()
+        if not synced:
+            self.sync_buffers()
         model = self.ema.module if self.ema is not None else self.model
-        # each rank's BatchNorm statistics follow its own batches: average them, so that every
-        # rank evaluates the same model and the accuracy does not depend on the world size
-        distlib.sync_buffers(model)
         results = self.task.evaluate(model, self.autocast, final=final)
         eval_s = time.perf_counter() - t_eval
         self.timeline.add("eval", eval_s)
@@ -442,12 +460,17 @@ class Trainer:
                    **self.task.model_figures(model)}  # fmt: skip
         self.timeline.note(task=self.task.name, **{f"final_{k}": v for k, v in final.items()}, **figures, **extra)
 
-    def save_checkpoint(self, background: bool = False) -> None:
+    def save_checkpoint(self, background: bool = False, final: bool = False) -> None:
         """A checkpoint of the models, optimizer, schedule and ``state`` (a collective). ``background``:
-        asynchronous (runner/checkpoints.py), training continues while it is written."""
+        asynchronous (runner/checkpoints.py), training continues while it is written. ``final``: the
+        run's last, written in the background from the tensors themselves (no step follows it to change
+        them, and no copy is made), committed by ``fit``."""
         s = self.state
         s.elapsed_s = time.perf_counter() - self._t_start
-        self.checkpoints.save(epoch=s.epoch, step=s.step, global_step=self.global_step, async_=background)
+        if final:
+            self._final_save_t0 = time.perf_counter()
+        self.checkpoints.save(epoch=s.epoch, step=s.step, global_step=self.global_step,
+                              async_=background or final, in_place=final)  # fmt: skip
         if background and self.cfg.train.cuda_graph:  # the captured optimizer step runs no step pre-hook
             self.checkpoints.wait_staged()
 

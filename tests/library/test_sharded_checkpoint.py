@@ -212,6 +212,68 @@ def test_async_save_is_committed_only_by_the_next_save_or_close(tmp_path):
         torch.testing.assert_close(q + 1.0, p, rtol=0, atol=1e-6, msg=name)
 
 
+def _bn_net(device: str):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9**s)
+
+
+def _bn_step(model, opt, sched, step: int, device: str) -> None:
+    x, y = batch(step, device)
+    nn.functional.mse_loss(model(x), y).backward()  # the forward changes BatchNorm's statistics in place
+    opt.step()
+    opt.zero_grad()
+    sched.step()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpus(1))])
+def test_an_in_place_save_holds_its_step_while_the_next_optimizer_step_waits_for_the_write(
+    tmp_path, monkeypatch, device
+):
+    """No copy is made of the weights and the optimizer state: the next step's forward runs (its
+    BatchNorm statistics do not reach the checkpoint: the buffers are copied at the call), and its
+    optimizer step waits until the write has read the tensors (on the CPU, the whole write; from a GPU,
+    the copy to the host), so the checkpoint holds the state of its own step."""
+    import threading
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    release, write_data = threading.Event(), dcp.FileSystemWriter.write_data
+
+    def held(self, plan, planner):
+        release.wait(30)
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held)
+    model, opt, sched = _bn_net(device)
+    _bn_step(model, opt, sched, 1, device)
+    ck = ShardedCheckpointer(str(tmp_path))
+    if device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+    ck.save(1, objects(model, opt, sched, {"step": 1}), async_=True, in_place=True)
+    if device == "cuda":  # nothing staged on the device but the buffers' copies
+        buffers = sum(b.nbytes for b in model.buffers())
+        assert torch.cuda.memory_allocated() - before <= buffers + 4096, (before, torch.cuda.memory_allocated())
+    expected = copy.deepcopy(full_state(model, opt))
+    timer = threading.Timer(0.5, release.set)
+    timer.start()
+    t0 = time.perf_counter()
+    _bn_step(model, opt, sched, 2, device)
+    waited = time.perf_counter() - t0
+    if device == "cpu":  # the write reads the tensors to its end: the step waited for the release
+        assert waited >= 0.4, waited
+    ck.close()
+    timer.join()
+    fresh, fopt, fsched = _bn_net(device)
+    _bn_step(fresh, fopt, fsched, 7, device)  # other weights and statistics: all must come from the checkpoint
+    assert ShardedCheckpointer(str(tmp_path)).resume(objects(fresh, fopt, fsched, {})) == 1
+    assert_states_equal(full_state(fresh, fopt)[0], expected[0])
+    assert_states_equal(full_state(fresh, fopt)[1], expected[1])
+
+
 def test_keeps_the_newest_committed_checkpoints(tmp_path):
     model, opt, sched = build("replicated", seed=0)
     ck = ShardedCheckpointer(str(tmp_path), keep=2)

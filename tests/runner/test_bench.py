@@ -316,6 +316,9 @@ def test_scale_parses_its_parts_and_tiny_sizes_and_tables_every_part():
     rows = [
         {"part": "runner", "mode": "none", "cache": "cold", "rc": 0, "model_s": 0.4, "warmup_s": 15.3,
          "to_first_step_s": 24.0, "tokens_per_s": 48500.0, "mfu": 0.504, "peak_mem_gib": 64.7, "final_save_s": 25.0},
+        {"part": "recipe", "mode": "optimizer", "cache": "warm", "rc": 0, "model_s": 0.2, "warmup_s": 3.1,
+         "to_first_step_s": 8.0, "tokens_per_s": 49000.0, "mfu": 0.51, "peak_mem_gib": 70.0, "final_save_s": 21.0,
+         "save_wait_s": 4.5, "train_s": 50.2, "eval_s": 17.1, "command_s": 85.0, "beyond_s": 17.7},
         {"part": "runner", "mode": "full", "cache": "warm", "rc": 1, "note": "boom"},
         {"part": "anchors", "mode": "plain", "build_s": 0.38, "torch_save_s": 23.0, "checkpoint_gib": 16.5,
          "sharded_save_s": 15.5, "host_async_blocked_s": 6.5, "host_async_stall_s": 6.9, "host_async_write_s": 14.0,
@@ -326,7 +329,9 @@ def test_scale_parses_its_parts_and_tiny_sizes_and_tables_every_part():
          "tokens_per_s": 8000.0, "tflops": 350.0, "peak_mem_gib": 130.0},
     ]  # fmt: skip
     text = scale.table(rows)
-    assert "| none | cold | 0.40 | 15.3 | 24.0 | 48500 | 50.4% | 64.7 | 25.0 |" in text
+    assert "| none | cold | 0.40 | 15.3 | 24.0 | 48500 | 50.4% | 64.7 | 25.0 (—) | — | — | — | — |" in text
+    recipe = "| optimizer | warm | 0.20 | 3.1 | 8.0 | 49000 | 51.0% | 70.0 | 21.0 (4.5) | 50.2 | 17.1 | 85.0 | 17.7 |"
+    assert "recipe:\n" in text and recipe in text
     assert "| full | warm | failed: boom |" in text
     assert "| 0.38 s |" in text and "| 15.5 s |" in text and "48900 tokens/s, 50.8%" in text
     assert "staging=host, first: blocked / cost to training / written in | 6.50 / 6.90 / 14.0 s |" in text
@@ -342,16 +347,19 @@ def test_scale_runs_tiny_on_the_cpu_through_the_runner(tmp_path):
     from summary.json and metrics.jsonl), the anchors, the largest batch per checkpointing mode; the
     rows in the JSON file and the table last."""
     out = tmp_path / "scale.jsonl"
-    cmd = [sys.executable, "-m", "bench.scale", "--tiny", "--modes=optimizer", "--ac-modes=selective",
+    cmd = [sys.executable, "-m", "bench.scale", "--tiny", "--parts=anchors,runner,recipe,ac", "--modes=optimizer",
+           "--ac-modes=selective",
            "--ac-batches=1,2", f"--json={out}", f"--dir={tmp_path / 'work'}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    runner = [r for r in rows if r["part"] == "runner"]
-    assert [r["cache"] for r in runner] == ["cold", "warm"]
-    for r in runner:
-        assert r["rc"] == 0 and r["model_s"] > 0 and r["to_first_step_s"] > 0 and r["tokens_per_s"] > 0, r
-        assert r["final_save_s"] is not None
+    for part in ("runner", "recipe"):
+        runner = [r for r in rows if r["part"] == part]
+        assert [r["cache"] for r in runner] == ["cold", "warm"]
+        for r in runner:
+            assert r["rc"] == 0 and r["model_s"] > 0 and r["to_first_step_s"] > 0 and r["tokens_per_s"] > 0, r
+            assert r["final_save_s"] > 0 and r["eval_s"] > 0 and r["save_wait_s"] <= r["final_save_s"], r
+            assert r["beyond_s"] == pytest.approx(r["command_s"] - r["train_s"] - r["eval_s"], abs=0.11), r
     anchors = {r["mode"]: r for r in rows if r["part"] == "anchors"}
     assert anchors["plain"]["build_s"] > 0 and anchors["plain"]["torch_save_s"] > 0
     assert anchors["plain"]["sharded_save_s"] > 0 and anchors["single-compile"]["tokens_per_s"] > 0

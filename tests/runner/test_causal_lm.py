@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import distlib
 from distlib.runner.config import load_config
 from distlib.runner.gpt import GPT, GPTConfig, KVCache
-from distlib.runner.text_data import TokenLoader, eval_windows, load_byte_text
+from distlib.runner.text_data import IGNORED, TokenLoader, eval_windows, load_byte_text
 from distlib.runner.throughput import mfu, peak_tflops
 from tests.conftest import ROOT
 from tests.runner.test_e2e import launch
@@ -45,10 +45,25 @@ def test_token_loader_gives_each_rank_its_own_windows_and_targets_shifted_by_one
     assert epochs[0] != epochs[1]  # a new order (and offset) each epoch
 
 
-def test_eval_windows_cover_every_validation_window_once_over_the_ranks():
-    tokens = torch.arange(203)
-    seen = [x[:, 0].tolist() for r in range(3) for x, _ in eval_windows(tokens, 10, r, 3, 4, torch.device("cpu"))]
-    assert sorted(s for batch in seen for s in batch) == list(range(0, 200, 10))
+@pytest.mark.parametrize("n,world", [(20, 3), (9, 2), (8, 2), (1, 2)])
+def test_eval_windows_cover_every_validation_window_once_over_the_ranks_in_as_many_batches(n, world):
+    """Every rank yields the same number of batches (a fully sharded forward is a collective); a
+    rank short of a batch gets one window whose targets are all ignored. A warm-up's ends_only: the
+    first batch and the last."""
+    tokens = torch.arange(10 * n + 3)
+    counted, batches = [], []
+    for r in range(world):
+        mine = list(eval_windows(tokens, 10, r, world, 4, torch.device("cpu")))
+        batches.append(len(mine))
+        ends = list(eval_windows(tokens, 10, r, world, 4, torch.device("cpu"), ends_only=True))  # a warm-up's
+        assert len(ends) == min(len(mine), 2)
+        assert all(torch.equal(a, b) for a, b in [*zip(ends[0], mine[0]), *zip(ends[-1], mine[-1])])
+        for x, y in mine:
+            kept = (y != IGNORED).all(1)
+            assert ((y == IGNORED).all(1) | kept).all()  # a window counts whole, or not at all
+            counted += x[kept, 0].tolist()
+    assert sorted(counted) == list(range(0, 10 * n, 10))
+    assert len(set(batches)) == 1 and batches[0] == math.ceil(math.ceil(n / world) / 4), batches
 
 
 def test_byte_text_splits_by_position(tmp_path):

@@ -171,15 +171,21 @@ def test_alternating_flip_flips_each_image_every_other_epoch():
     assert all(e1[k] != e0[k] for k in e0) and e2 == e0
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_eval_shards_cover_every_sample_exactly_once(world):
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_eval_shards_cover_every_sample_exactly_once_in_as_many_batches(world):
+    """Every rank yields the same number of batches (a fully sharded forward is a collective); a rank
+    short of a batch gets one sample labelled -1, which no prediction matches."""
     x, y = image_set(10)
-    seen = []
+    seen, batches = [], []
     for r in range(world):
-        for xb, yb in eval_shards(x, y, r, world, batch_size=3):
-            assert len(yb) <= 3 and torch.equal(xb, x[yb])
-            seen += yb.tolist()
+        mine = list(eval_shards(x, y, r, world, batch_size=3))
+        batches.append(len(mine))
+        for xb, yb in mine:
+            kept = yb >= 0
+            assert len(yb) <= 3 and torch.equal(xb[kept], x[yb[kept]])
+            seen += yb[kept].tolist()
     assert sorted(seen) == list(range(10))
+    assert len(set(batches)) == 1, batches  # 4 ranks: shares of 3, 3, 2, 2 samples, one batch each
 
 
 # ---- the augmentation's random draws ----------------------------------------------------------

@@ -177,6 +177,19 @@ def _trained(ctx, recipe: str, overrides: list[str]) -> tuple[list[float], dict,
     return losses, initial, metrics(cfg.run.out_dir) if ctx.is_main else []
 
 
+def test_a_fully_sharded_model_evaluates_a_validation_split_the_ranks_share_unevenly(tmp_path):
+    """61 validation windows over 2 ranks, 6 a batch: 31 windows (6 batches) and 30 (5). A fully sharded
+    forward is a collective, so the shorter rank runs a sixth batch that counts for nothing: the
+    evaluation ends, with replicated training's validation losses."""
+    args = [*SMALL_GPT, "data.args.val_frac=0.00495", "train.eval_every=1"]
+    rows = {}
+    for shard in ("none", "full"):
+        out = str(tmp_path / shard)
+        rows[shard] = run_ranks(_trained, 2, DEMO, [*args, f"dist.shard={shard}", f"run.out_dir={out}"],
+                                timeout=180)[0][2]  # fmt: skip
+    assert [r["val_loss"] for r in rows["full"]] == pytest.approx([r["val_loss"] for r in rows["none"]], rel=1e-5)
+
+
 @pytest.mark.parametrize("case", list(MODE_CASES))
 def test_every_shard_mode_trains_alike_step_by_step(tmp_path, case):
     """dist.shard=none, optimizer and full: the same initial weights, each rank's loss at every

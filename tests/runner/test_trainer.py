@@ -106,6 +106,59 @@ def test_the_train_state_is_saved_typed_and_restored(tmp_path, world_size_1):
     assert resumed.state.state_dict() == state  # the clocks continue from where they were
 
 
+def test_the_final_checkpoint_is_written_during_the_final_evaluation_and_committed_after_the_last_row(
+    tmp_path, world_size_1
+):
+    """The final save starts before the final evaluation and reads the tensors in place while it runs;
+    the checkpoint appears only after the run's last row is logged, and holds the trained weights."""
+    out = tmp_path / "out"
+    cfg = load_config(DEMO, [*SMALL, "run.checkpoint_every=0", f"run.out_dir={out}"])
+    seen: dict[str, bool] = {}
+    with built(cfg, distlib.init("gloo")) as trainer:
+        steps = 2 * len(trainer.loader)
+        evaluate, log_metrics = trainer.task.evaluate, trainer.run.log_metrics
+
+        def evaluating(model, autocast, final):
+            if final:
+                seen["in_flight"] = trainer.checkpoints.checkpointer._pending is not None
+            return evaluate(model, autocast, final)
+
+        def logging(row):
+            seen[f"committed_at_row_{row['step']}"] = step_name(steps) in checkpoints(out)
+            log_metrics(row)
+
+        trainer.task.evaluate, trainer.run.log_metrics = evaluating, logging
+        assert trainer.fit() == 0
+        weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        summary = trainer.timeline.summary()
+    assert seen["in_flight"] and seen[f"committed_at_row_{steps}"] is False, seen
+    assert checkpoints(out) == [step_name(steps)]
+    payload = saved(out, steps)
+    assert payload["train_state"]["epoch"] == 2 and payload["train_state"]["step"] == 0
+    assert weights.keys() == payload["model"].keys()
+    for k, v in weights.items():
+        assert torch.equal(payload["model"][k], v), k
+    assert summary["final_checkpoint_s"] > 0 and {"metrics", "sample", "checkpoint"} <= summary["stages"].keys()
+
+
+def test_the_warm_up_runs_the_first_and_the_last_evaluation_batch_not_the_whole_split(tmp_path, world_size_1):
+    """What the final evaluation's kernels need (each batch shape), not a pass over a validation split
+    that may be as large as the training's."""
+    gpt = os.path.join(ROOT, "recipes", "gpt_demo.yaml")
+    cfg = load_config(gpt, ["data.train_subset=64", "model.args.n_layer=1", "model.args.n_embd=32",
+                            "model.args.n_head=2", "train.batch_size=8", "data.args.val_frac=0.01",
+                            f"run.out_dir={tmp_path / 'out'}"])  # fmt: skip
+    with built(cfg, distlib.init("gloo")) as trainer:
+        sizes: list[int] = []
+        hook = trainer.model.register_forward_hook(lambda m, args, out: sizes.append(args[0].shape[0]))
+        trainer.task.warm_up_evaluate(trainer.model, trainer.autocast)
+        warm, sizes[:] = list(sizes), []
+        trainer.task.evaluate(trainer.model, trainer.autocast, final=True)
+        hook.remove()
+    assert len(sizes) > 2 and sizes[-1] < sizes[0], sizes  # a partial last batch
+    assert warm == [sizes[0], sizes[-1]], (warm, sizes)
+
+
 def test_training_starts_with_the_build_s_objects_out_of_the_collector(tmp_path, world_size_1, capsys):
     """What build() left (a compile's graphs and code) is collected once and frozen, so the collector's
     full passes during training do not walk it; the teardown unfreezes it before the process group
