@@ -159,6 +159,21 @@ def _host_tensors(state: Any) -> list[torch.Tensor]:
     return [_local(state)]
 
 
+def _host_copy(state: Any) -> Any:
+    """Empty host tensors of ``state``'s layout (``_create_cpu_state_dict``'s), made without copying: torch's
+    helper moves each DTensor to the host whole before it replaces its data with an empty tensor
+    (under FSDP2, a pageable copy of the state: 14 s of a 1.5B GPT's save on an H200)."""
+    from torch.distributed._state_dict_utils import _create_cpu_state_dict
+    from torch.distributed.tensor import DTensor
+
+    def empty(t: DTensor) -> DTensor:
+        out = t.to("meta")  # the DTensor's mesh, placements and shape; its data nowhere
+        out._local_tensor = _create_cpu_state_dict({"t": t.to_local()})["t"]
+        return out
+
+    return _create_cpu_state_dict(tree_map_only(DTensor, empty, state))
+
+
 def _stage_into(state: Any, host: Any, copy: Callable[[torch.Tensor, torch.Tensor], None]) -> Any:
     """``state`` with its tensors replaced by their counterparts in ``host`` (the same structure), each
     filled by ``copy(source, target)`` (local tensors: a DTensor's, a ShardedTensor's shard), and its
@@ -560,8 +575,6 @@ class ShardedCheckpointer:
         the write's thread copies them on to the host; staged on the host, they go straight into
         page-locked memory (at the link's speed). On the CPU the copy is made here, into plain memory.
         """
-        from torch.distributed._state_dict_utils import _create_cpu_state_dict
-
         layout = _layout(state)
         cuda = any(device.type == "cuda" for *_, device in layout)
         buffers = {b.data_ptr() for o in objects.values() if isinstance(o, nn.Module) for b in o.buffers()}
@@ -576,7 +589,7 @@ class ShardedCheckpointer:
         if self._staging is None or self._staging[1] != layout:
             self._staging = None  # the old copy's memory goes back before the new one is taken
             on_device = cuda and (self.staging == "device" or (self.staging == "auto" and _room_on_device(layout)))
-            self._staging = [_create_cpu_state_dict(state), layout, on_device, False]
+            self._staging = [_host_copy(state), layout, on_device, False]
         host, _, on_device, pinned = self._staging
         if cuda and not on_device and not in_place and not pinned:
             pin_in_place(_host_tensors(host))  # the staging copies run asynchronously at the link's speed
