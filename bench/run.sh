@@ -22,7 +22,8 @@
 #   compile_startup  the first compiled step and the whole command, compile_for_sync against
 #                DDP + torch.compile, cold and warm inductor cache (bench/compile_startup.py)
 #   scale        the 1.5B GPT through the runner on one GPU per shard mode (model build, compile warm-up
-#                cold and warm, tokens/s, MFU, peak memory, final save), with the anchors (a build on the
+#                cold and warm, tokens/s, MFU, peak memory, final save; the Shakespeare recipe at that size,
+#                the whole command against its steps and evaluation), with the anchors (a build on the
 #                GPU, torch.save, an async save's stall, bench.gpt_step single-compile) and the largest
 #                6.7B batch (seq 4096) per activation checkpointing mode; one command per part
 #                (bench/scale.py; SCALE_ARGS adds arguments)                       ("Large models")
@@ -146,6 +147,7 @@ for suite in "$@"; do
         run scale_anchors $PY -m bench.scale --parts anchors --json "$OUT/scale.jsonl" ${SCALE_ARGS:-}
         for m in none optimizer full; do
             run "scale_$m" $PY -m bench.scale --parts runner --modes "$m" --json "$OUT/scale.jsonl" ${SCALE_ARGS:-}
+            run "scale_recipe_$m" $PY -m bench.scale --parts recipe --modes "$m" --text "$TEXT" --json "$OUT/scale.jsonl" ${SCALE_ARGS:-}
         done
         for m in none full selective; do
             run "scale_ac_$m" $PY -m bench.scale --parts ac --ac-modes "$m" --json "$OUT/scale.jsonl" ${SCALE_ARGS:-}
