@@ -139,18 +139,21 @@ def eval_windows(tokens: torch.Tensor | TokenStream, block_size: int, rank: int,
     n = (len(tokens) - 1) // block_size
     largest = math.ceil(math.ceil(n / world_size) / batch_size)  # the batches of the largest share
     idx = np.arange(rank, n, world_size)
-    batches: list[np.ndarray | None] = [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
+    batches: list[slice | None] = [slice(i, i + batch_size) for i in range(0, len(idx), batch_size)]
     batches += [None] * (largest - len(batches))  # None: a window that counts for nothing
     if ends_only:
         batches = batches[:1] + batches[1:][-1:]
-    span = torch.arange(block_size + 1, device=device)
-    if isinstance(tokens, torch.Tensor):
+    on_device = isinstance(tokens, torch.Tensor)
+    if on_device:  # the windows' starts on the device once: no copy to it per batch
         tokens = tokens.to(device)
+        starts = torch.from_numpy(idx * block_size).to(device)
+        span = torch.arange(block_size + 1, device=device)
     for b in batches:
-        at = np.zeros(1, dtype=np.int64) if b is None else b * block_size
-        if isinstance(tokens, torch.Tensor):
-            w = tokens[torch.from_numpy(at).to(device).view(-1, 1) + span].long()
+        if on_device:
+            at = starts[b] if b is not None else starts.new_zeros(1)
+            w = tokens[at.view(-1, 1) + span].long()
         else:
+            at = idx[b] * block_size if b is not None else np.zeros(1, dtype=np.int64)
             windows = tokens.gather(at, block_size + 1)
             tokens.check_vocab(windows, at, vocab_size)
             w = torch.from_numpy(windows).to(device)

@@ -383,11 +383,11 @@ class Trainer:
         train_loss = distlib.all_reduce(s.loss_sum.clone(), op="mean").item() / steps if logs else 0.0
         if ends_epoch:
             s.epoch, s.step, s.train_s, s.epoch_s = epoch, 0, s.train_s + s.epoch_s, 0.0
-        synced = final and budget.checkpoints(step)
-        if synced:
+        final_save = final and budget.checkpoints(step)
+        if final_save:
             self.sync_buffers()  # what the final evaluation sees is what the checkpoint holds
             self.save_checkpoint(final=True)
-        results = self.evaluate(final=final, synced=synced) if evaluates else dict.fromkeys(self.task.metrics)
+        results = self.evaluate(final=final, synced=final_save) if evaluates else dict.fromkeys(self.task.metrics)
         row = None
         if logs:
             samples_per_s = steps * t.batch_size / epoch_s
