@@ -40,16 +40,31 @@ def use_compile_cache(cfg: Config) -> str:
 
 
 def load_compiler(cfg: Config) -> bool:
-    """When ``train.compile`` is on: point its caches at ``compile_cache_dir(cfg)`` and import
-    inductor (about 1.7 s with warm bytecode caches, 7.6 s without), a start-up stage of its own
-    ("compiler") rather than part of the model's build. Returns whether it did."""
+    """When ``train.compile`` is on: point its caches at ``compile_cache_dir(cfg)``, import inductor
+    (about 1.7 s with warm bytecode caches, 7.6 s without), a start-up stage of its own ("compiler")
+    rather than part of the model's build, and start its compile workers. Returns whether it did."""
     if cfg.train.compile == "none" or cfg.dist.mode == "fallback":
         return False
     use_compile_cache(cfg)
     if cfg.train.compile_backend == "inductor":
         import torch._inductor.compile_fx  # noqa: F401  # what torch.compile imports at its first call
 
+        start_compile_workers()
     return True
+
+
+def start_compile_workers() -> None:
+    """Start inductor's pool of kernel-compiling processes now, in the background, rather than at
+    the first compilation. torch starts it when dynamo first hands a graph to inductor, and inductor
+    compiles in this process, one kernel after another, any kernel it meets before the workers
+    (each a process that imports torch and Triton) are ready: started at the compiler stage they
+    start while the model is built and the first graph traced. A no-op where inductor makes no
+    Triton kernels (no Triton: a CPU-only torch) or where ``TORCH_WARM_POOL=0`` turns it off."""
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # a torch without it: the pool starts at the first compilation, as before
+        return
+    maybe_warm_pool()
 
 
 def model_blocks(cfg: Config, model: nn.Module) -> list[nn.Module]:

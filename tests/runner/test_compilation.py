@@ -111,6 +111,45 @@ def test_compile_caches_go_to_a_stable_directory(tmp_path, monkeypatch):
     assert cache_dir() == str(tmp_path / "mine")  # where inductor writes its FX graphs and AOTAutograd's cache
 
 
+def test_the_compiler_stage_starts_inductors_compile_workers_and_nothing_else_does(monkeypatch, tmp_path):
+    """With inductor the compiler stage starts its kernel-compiling processes (torch would start
+    them at the first graph); with another backend, eager, or the fallback mode it starts none."""
+    import torch._inductor.async_compile as async_compile
+
+    from distlib.runner.compilation import load_compiler
+
+    started = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: started.append(True))
+    cache = f"run.compile_cache_dir={tmp_path}"
+    assert load_compiler(load_config(DEMO, ["train.compile=blocks", "train.compile_backend=inductor", cache]))
+    assert started == [True]
+    assert load_compiler(load_config(DEMO, ["train.compile=blocks", AOT, cache]))
+    assert not load_compiler(load_config(DEMO, ["train.compile=none", cache]))
+    assert started == [True]
+
+
+@pytest.mark.gpus(1)
+def test_on_a_gpu_the_compile_workers_run_once_the_compiler_stage_is_over(tmp_path):
+    """A fresh process: after ``load_compiler`` inductor's pool of compile workers exists and takes
+    work, before anything was compiled."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from distlib.runner.config import load_config; "
+        "from distlib.runner.compilation import load_compiler; "
+        f"assert load_compiler(load_config({DEMO!r}, ['train.compile=blocks', 'run.compile_cache_dir={tmp_path}'])); "
+        "from torch._inductor.async_compile import AsyncCompile, _pool_set; "
+        "from torch._dynamo.utils import counters; "
+        "assert counters['stats']['unique_graphs'] == 0; "
+        "print('pools', len(_pool_set)); "  # torch creates one at the first graph, or the compiler stage did
+        "AsyncCompile.wait_pool_ready(timeout=120); print('ready', AsyncCompile.use_process_pool())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "pools 1" in out.stdout and "ready True" in out.stdout, out.stdout
+
+
 # ---- the eager losses, compiled per block, in every shard mode ------------------------------------
 class Counted:
     """The trainer's step, recording this rank's loss and the graphs dynamo has compiled so far."""
