@@ -166,12 +166,15 @@ def _host_copy(state: Any) -> Any:
     from torch.distributed._state_dict_utils import _create_cpu_state_dict
     from torch.distributed.tensor import DTensor
 
-    def empty(t: DTensor) -> DTensor:
-        out = t.to("meta")  # the DTensor's mesh, placements and shape; its data nowhere
-        out._local_tensor = _create_cpu_state_dict({"t": t.to_local()})["t"]
-        return out
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, DTensor):  # plain tensors and ShardedTensors: torch's own
+            return _create_cpu_state_dict({"t": t})["t"]
+        # the DTensor's spec (mesh, placements, global shape) around an empty host tensor, built
+        # directly: a DTensor op to make it (``t.to("meta")``, its dispatch each time) took 2.2 s
+        # for the 1.5B GPT's 1,165 tensors on an H200, paid by the first save before training goes on
+        return DTensor(_create_cpu_state_dict({"t": t.to_local()})["t"], t._spec, requires_grad=False)
 
-    return _create_cpu_state_dict(tree_map_only(DTensor, empty, state))
+    return tree_map_only(torch.Tensor, empty, state)
 
 
 def _stage_into(state: Any, host: Any, copy: Callable[[torch.Tensor, torch.Tensor], None]) -> Any:

@@ -575,6 +575,62 @@ def test_staging_must_be_one_of_auto_device_host(tmp_path):
         ShardedCheckpointer(str(tmp_path), staging="gpu")
 
 
+def _host_copy_of_fsdp(ctx):
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from distlib.checkpoint.sharded import _host_copy, _layout
+
+    model, opt, sched = build("fsdp", seed=0)
+    train_step("fsdp", model, opt, sched, 1)
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
+    ops = []
+
+    class DTensorOps(TorchDispatchMode):  # every op run, DTensors' among them, passes here first
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(isinstance(a, DTensor) for a in (*args, *(kwargs or {}).values())):
+                ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with DTensorOps():
+        host = _host_copy(state)
+    pairs = []
+
+    def walk(a, b):
+        if isinstance(a, dict):
+            assert a.keys() == b.keys()
+            for k in a:
+                walk(a[k], b[k])
+        elif isinstance(a, (list, tuple)):
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                walk(x, y)
+        elif isinstance(a, torch.Tensor):
+            pairs.append((a, b))
+        else:
+            assert a == b
+
+    walk(state, host)
+    dtensors = [(a, b) for a, b in pairs if isinstance(a, DTensor)]
+    for a, b in dtensors:
+        assert isinstance(b, DTensor) and b.placements == a.placements and b.device_mesh == a.device_mesh
+        assert b.shape == a.shape and b.to_local().shape == a.to_local().shape and b.to_local().device.type == "cpu"
+        assert b.to_local().untyped_storage().data_ptr() != a.to_local().untyped_storage().data_ptr()
+    return len(dtensors), len(pairs), ops, _layout(host) == [(k, s, d, torch.device("cpu")) for k, s, d, _ in
+                                                            _layout(state)]  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_host_copy_of_a_sharded_state_keeps_each_dtensors_spec_made_without_a_dtensor_op(tmp_path, world):
+    """What an asynchronous save stages into: an empty host tensor per tensor, DTensors with their
+    mesh, placements and global shape around this rank's host shard. Made without any DTensor op:
+    one per tensor (``t.to("meta")``) cost the first save of a 1.5B GPT 2.2 s on an H200."""
+    for n_dtensors, n_tensors, ops, same_layout in run_ranks(_host_copy_of_fsdp, world):
+        assert n_dtensors >= 3 * 6 and n_tensors > n_dtensors  # weights, exp_avg, exp_avg_sq; the steps
+        assert ops == [] and same_layout
+
+
 # ---- GPU ----------------------------------------------------------------------------------------
 
 
