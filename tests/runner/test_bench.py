@@ -483,3 +483,16 @@ def test_hf_io_runs_tiny_on_the_cpu_through_the_runner_and_export(tmp_path):
         assert sum(f.get_tensor(k).nbytes for k in f.keys()) == tensor_bytes
     assert "| load: Trainer.build_model, cold" in proc.stdout
     assert "| export: python -m distlib.runner.export" in proc.stdout
+
+
+@pytest.mark.parametrize("shard", ["none", "full"])
+def test_save_call_times_an_in_place_save_and_its_parts_on_the_cpu(shard):
+    cmd = [sys.executable, "-m", "bench.save_call", "--shard", shard, "--size", "tiny"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header[:3] == ["save", "call_s", "total_s"] and "host_copy" in header and "state_dicts" in header
+    rows = [[float(c) for c in line.strip("|").split("|")] for line in lines[1:]]
+    assert [r[0] for r in rows] == [1, 2]
+    assert all(0 < r[1] <= r[2] for r in rows)  # the call returns before the save is committed
