@@ -282,7 +282,9 @@ class CausalLMTask(Task):
                 x, y = x.to(self.ctx.device), y.to(self.ctx.device)
                 with autocast:
                     logits = model(x)
-                sums[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
+                sums[0] += F.cross_entropy(
+                    logits.flatten(0, -2).float(), y.flatten(), reduction="sum", ignore_index=IGNORED
+                )
                 sums[1] += (y != IGNORED).sum()  # a padding window's targets count for nothing
         model.train()
         distlib.all_reduce(sums)
