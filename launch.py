@@ -9,10 +9,10 @@ import sys
 
 import distlib
 from distlib.runner.config import load_config
-from distlib.runner.outcome import exit_code, fast_exit
-from distlib.runner.throughput import gpus_per_process
-from distlib.runner.timeline import Timeline
-from distlib.runner.trainer import Trainer
+from distlib.runner.observability.throughput import gpus_per_process
+from distlib.runner.observability.timeline import Timeline
+from distlib.runner.training.outcome import exit_code, fast_exit
+from distlib.runner.training.trainer import Trainer
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

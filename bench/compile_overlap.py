@@ -29,7 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import distlib  # noqa: E402
 from distlib.parallel.grad_sync import GradSync  # noqa: E402
-from distlib.runner.models import build_model  # noqa: E402
+from distlib.runner.models.vision import build_model  # noqa: E402
 
 
 def compute_nodes(root) -> list:

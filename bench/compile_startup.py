@@ -78,7 +78,7 @@ def child(args: argparse.Namespace) -> None:
 
     sys.path.insert(0, ROOT)
     import distlib
-    from distlib.runner.models import build_model
+    from distlib.runner.models.vision import build_model
 
     times = {"import_s": time.time() - t_import}
     t = time.time()

@@ -45,7 +45,7 @@ def _sync(devices: Sequence[torch.device]) -> None:
 
 
 def _bench_setup(per_gpu_batch, devices, cuda_graph, bf16, channels_last, model_fn, seed=0):
-    from distlib.runner.models import resnet18_cifar
+    from distlib.runner.models.vision import resnet18_cifar
 
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if devices is None else list(devices)
     if not devices:

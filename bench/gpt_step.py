@@ -4,7 +4,7 @@
     torchrun --nproc-per-node=2 -m bench.gpt_step --sizes 1.5B,6.7B,10B,13B --modes ddp,fsdp2,zero-redundancy
     python -m bench.gpt_step --sizes 124M                                  # one GPU: every mode, world size 1
 
-The model is ``distlib.runner.gpt.GPT`` (SDPA attention, tied embeddings, no biases) on random
+The model is ``distlib.runner.models.gpt.GPT`` (SDPA attention, tied embeddings, no biases) on random
 tokens kept on the device, ``--batch`` sequences of ``--seq-len`` tokens per GPU, AdamW (fused on
 GPUs; no weight decay on 1-D parameters), gradients clipped to norm ``--clip``, bf16 autocast
 (FSDP2: ``MixedPrecisionPolicy`` with bf16 parameters and fp32 gradient reduction instead).
@@ -53,8 +53,8 @@ from torch import nn  # noqa: E402
 
 import distlib  # noqa: E402
 from bench.step import BenchUnavailable, free, max_over_ranks, step_times, watchdog  # noqa: E402
-from distlib.runner.environment import collect_environment  # noqa: E402
-from distlib.runner.gpt import GPT, GPTConfig  # noqa: E402
+from distlib.runner.models.gpt import GPT, GPTConfig  # noqa: E402
+from distlib.runner.observability.environment import collect_environment  # noqa: E402
 
 MODES = (
     "single-compile", "ddp", "ddp-compile", "zero-redundancy", "fsdp2", "fsdp2-compile",

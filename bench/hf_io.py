@@ -24,7 +24,7 @@ What it does, in order:
    tokens, the folder evicted first): its ``model`` stage from summary.json (the model, its read,
    the optimizer and the training step's set-up, and the first import of transformers' model
    classes, which the timed loads above leave out) and the final checkpoint it saves.
-4. Export: ``distlib.runner.export.export(RUN_DIR, OUT_DIR)`` of that run's checkpoint, timed with
+4. Export: ``distlib.runner.hf.export.export(RUN_DIR, OUT_DIR)`` of that run's checkpoint, timed with
    the fsync of the files it wrote (export fsyncs its model.safetensors itself; config.json is left
    to this), median of ``--repeats``, twice: with the checkpoint cold (evicted first) and warm (its
    files read once before, as the run that wrote them leaves them in the page cache); then the
@@ -180,8 +180,8 @@ def make_folder(args: argparse.Namespace, config: dict) -> dict:
     import torch
     import transformers
 
-    from distlib.runner.export import DTYPES
-    from distlib.runner.hf_causal_lm import build_config
+    from distlib.runner.hf.export import DTYPES
+    from distlib.runner.models.hf_causal_lm import build_config
 
     cfg = build_config(config)
     torch.manual_seed(0)
@@ -209,7 +209,7 @@ def write_recipe(args: argparse.Namespace, work: str, vocab: int) -> tuple[str, 
     import numpy as np
     import yaml
 
-    from distlib.runner.token_file import write_token_file
+    from distlib.runner.data.token_files import write_token_file
 
     n_train, n_val = 5 * args.seq_len + 1, 2 * args.seq_len + 1
     tokens = np.random.default_rng(0).integers(0, vocab, n_train + n_val, dtype=np.int64)
@@ -237,7 +237,7 @@ def import_model_classes(folder: str) -> None:
     classes on their first use, which the timed loads then leave out (launch.py's stage has it)."""
     import torch
 
-    from distlib.runner.hf_causal_lm import hf_causal_lm
+    from distlib.runner.models.hf_causal_lm import hf_causal_lm
 
     with torch.device("meta"):
         hf_causal_lm(pretrained=folder)
@@ -250,10 +250,10 @@ def load_once(args: argparse.Namespace, recipe: str, folder: list[str]) -> dict:
 
     from distlib.distributed.process_group import Context
     from distlib.runner.config import load_config
-    from distlib.runner.hf_causal_lm import HFCausalLM
+    from distlib.runner.models.hf_causal_lm import HFCausalLM
+    from distlib.runner.observability.timeline import Timeline
     from distlib.runner.tasks import build_task
-    from distlib.runner.timeline import Timeline
-    from distlib.runner.trainer import Trainer
+    from distlib.runner.training.trainer import Trainer
 
     cfg = load_config(recipe, ["dist.shard=none"])
     device = torch.device(args.device)
@@ -357,7 +357,7 @@ def export_once(args: argparse.Namespace, run_dir: str, out: str, checkpoint: li
                 ) -> tuple[float, float]:  # fmt: skip
     """(seconds of export(), seconds with the fsync of what it wrote), the checkpoint evicted first
     (``cold``) or read once before."""
-    from distlib.runner.export import export
+    from distlib.runner.hf.export import export
 
     shutil.rmtree(out, ignore_errors=True)
     if cold:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import distlib
 from distlib.checkpoint import sharded
-from distlib.runner.gpt import GPT, GPTConfig
+from distlib.runner.models.gpt import GPT, GPTConfig
 
 SIZES = {
     "1.5B": GPTConfig(vocab_size=50304, block_size=1024, n_layer=48, n_head=25, n_embd=1600),

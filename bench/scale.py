@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from distlib.runner.gpt import GPT
+    from distlib.runner.models.gpt import GPT
 
 if __package__ in (None, ""):  # run as `python bench/scale.py`: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -139,7 +139,7 @@ def token_file(args: argparse.Namespace, directory: str) -> str:
     """Random tokens for ``--steps`` steps and a short validation split, in one headerless file."""
     import numpy as np
 
-    from distlib.runner.token_file import write_token_file
+    from distlib.runner.data.token_files import write_token_file
 
     n = (args.steps * args.batch * args.nproc + 4) * args.seq_len + 1
     n_val = 2 * args.seq_len + 1
@@ -246,7 +246,7 @@ def run_anchors(args: argparse.Namespace, base: str, rows: list[dict]) -> None:
     import torch
 
     import distlib
-    from distlib.runner.gpt import GPT, GPTConfig
+    from distlib.runner.models.gpt import GPT, GPTConfig
 
     layers, heads, width = parse_size(args.size)
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=layers, n_head=heads, n_embd=width)
@@ -335,7 +335,7 @@ def ac_probe(args: argparse.Namespace, mode: str, batch: int) -> int:
     import torch
 
     import distlib
-    from distlib.runner.gpt import GPT, GPTConfig
+    from distlib.runner.models.gpt import GPT, GPTConfig
 
     layers, heads, width = parse_size(args.ac_size)
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.ac_seq_len, n_layer=layers, n_head=heads, n_embd=width)

@@ -55,8 +55,8 @@ import distlib  # noqa: E402
 from distlib.distributed.collectives import comm_groups  # noqa: E402
 from distlib.parallel import buckets  # noqa: E402
 from distlib.parallel.grad_sync import GradSync  # noqa: E402
-from distlib.runner.environment import collect_environment  # noqa: E402
-from distlib.runner.models import build_model  # noqa: E402
+from distlib.runner.models.vision import build_model  # noqa: E402
+from distlib.runner.observability.environment import collect_environment  # noqa: E402
 from distlib.step.cuda_graph import CapturedStep  # noqa: E402
 
 # torch.compile (default mode) of GradSync's model through compile_for_sync, and of DDP (DDPOptimizer);

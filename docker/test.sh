@@ -165,7 +165,7 @@ ctr2=$(buildah from -q "$IMAGE")
 trap 'buildah rm "$ctr" "$ctr2" > /dev/null 2>&1 || true' EXIT
 buildah run --isolation chroot --user 4321:4321 "$ctr2" -- python -c '
 import os
-from distlib.runner.data import default_cache_dir, load_image_set
+from distlib.runner.data.images import default_cache_dir, load_image_set
 s = load_image_set("data/cifar10-demo")
 print(f"  uid {os.getuid()}: {len(s.y_train)} train images, cache {os.listdir(default_cache_dir())} in {default_cache_dir()}")
 ' || die "an arbitrary uid cannot use the image's cache directory"

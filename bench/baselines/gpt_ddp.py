@@ -1,5 +1,5 @@
 """GPT training with DDP and torch.compile, written as the PyTorch tutorials write it: the baseline
-of the GPT figures. Only the model comes from the project (distlib.runner.gpt.GPT), so that the
+of the GPT figures. Only the model comes from the project (distlib.runner.models.gpt.GPT), so that the
 architecture is the same by construction; the loop is plain torch.
 
 Throughput on random tokens (no --data), sizes as given:
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from distlib.runner.gpt import GPT, GPTConfig  # noqa: E402
+from distlib.runner.models.gpt import GPT, GPTConfig  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--data", help="a .txt or .txt.gz file: train byte-level on it (else: random tokens, throughput)")

@@ -20,18 +20,18 @@ from typing import Any
 # kind -> short name -> "module:attribute"; imported only when used
 REGISTRY: dict[str, dict[str, str]] = {
     "model": {
-        "resnet18_cifar": "distlib.runner.models:resnet18_cifar",
-        "small_cnn": "distlib.runner.models:small_cnn",
-        "gpt": "distlib.runner.models:gpt",
-        "hf_causal_lm": "distlib.runner.hf_causal_lm:hf_causal_lm",
+        "resnet18_cifar": "distlib.runner.models.vision:resnet18_cifar",
+        "small_cnn": "distlib.runner.models.vision:small_cnn",
+        "gpt": "distlib.runner.models.gpt:gpt",
+        "hf_causal_lm": "distlib.runner.models.hf_causal_lm:hf_causal_lm",
     },
     "data": {
-        "image_folder": "distlib.runner.data:load_image_set",
-        "byte_text": "distlib.runner.text_data:load_byte_text",
-        "token_file": "distlib.runner.token_file:load_token_file",
+        "image_folder": "distlib.runner.data.images:load_image_set",
+        "byte_text": "distlib.runner.data.text:load_byte_text",
+        "token_file": "distlib.runner.data.token_files:load_token_file",
     },
     "loss": {
-        "cross_entropy": "distlib.runner.losses:cross_entropy",
+        "cross_entropy": "distlib.runner.tasks.losses:cross_entropy",
     },
 }
 

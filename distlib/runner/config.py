@@ -401,7 +401,7 @@ LM_DATA = ("byte_text", "token_file")  # the built-in language-model data sets
 LM_MODELS = ("gpt", "hf_causal_lm")  # the built-in language models
 
 
-# the keyword arguments the runner gives a component that takes them (runner/tasks.py), so a
+# the keyword arguments the runner gives a component that takes them (runner/tasks/task.py), so a
 # component may need them without the recipe's args naming them
 PROVIDED = {
     "model": ("num_classes", "width", "vocab_size", "block_size"),

@@ -13,7 +13,7 @@ from torch import nn
 
 import distlib
 from distlib.parallel.grad_sync import GradSync
-from distlib.runner.gpt import GPT, Block, GPTConfig
+from distlib.runner.models.gpt import GPT, Block, GPTConfig
 from distlib.step.activation_checkpointing import checkpointing_of
 from distlib.step.compile import compile_for_sync
 
@@ -57,7 +57,7 @@ def test_find_blocks_by_the_blocks_list_by_class_and_by_class_name():
     assert distlib.find_blocks(gpt) == list(gpt.blocks)
     assert distlib.find_blocks(gpt, Block) == list(gpt.blocks)
     assert distlib.find_blocks(gpt, "Block") == list(gpt.blocks)
-    assert distlib.find_blocks(gpt, "distlib.runner.gpt:Block") == list(gpt.blocks)
+    assert distlib.find_blocks(gpt, "distlib.runner.models.gpt:Block") == list(gpt.blocks)
     assert distlib.find_blocks(gpt, ["Nothing", "MLP"]) == [b.mlp for b in gpt.blocks]
     assert distlib.find_blocks(nn.Linear(2, 2)) == []  # no blocks: the caller decides
     outer = Outer()

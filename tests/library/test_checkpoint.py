@@ -22,8 +22,9 @@ from distlib.checkpoint.checkpointer import (
     read_verified,
     write_atomic,
 )
-from distlib.runner.models import param_groups, small_cnn
-from distlib.runner.schedule import warmup_linear
+from distlib.runner.models.parameters import param_groups
+from distlib.runner.models.vision import small_cnn
+from distlib.runner.training.schedule import warmup_linear
 
 
 def make(width: int = 4, seed: int = 0):

@@ -317,7 +317,7 @@ def _launch(tmp_path, name, *overrides):
 def _warm_data_cache():
     # The first, decoding load draws from torch's global RNG (a DataLoader inside), which
     # changes the model's initialization of that run only: decode before comparing runs.
-    from distlib.runner.data import load_image_set
+    from distlib.runner.data.images import load_image_set
 
     load_image_set(os.path.join(ROOT, "data", "cifar10-demo"))
 

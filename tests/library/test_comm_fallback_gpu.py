@@ -194,7 +194,7 @@ def _metrics(out_dir):
 def test_two_nodes_match_one_node_with_two_gpus(tmp_path):
     """Intra-node path (cuda.comm between two GPUs of one process) against the inter-node path
     (NCCL between two node processes of one GPU each), and against one process per GPU."""
-    from distlib.runner.data import load_image_set
+    from distlib.runner.data.images import load_image_set
 
     # Decode the demo data once up front: the decoding run draws from torch's global RNG (a
     # DataLoader inside), which would give that one run another initialization.

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlib.runner.gpt import GPT, GPTConfig
+from distlib.runner.models.gpt import GPT, GPTConfig
 from tests.conftest import run_ranks
 
 BOUND = 1e-5  # relative

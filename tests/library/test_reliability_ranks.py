@@ -18,7 +18,7 @@ import torch.distributed as dist
 from distlib.checkpoint.checkpointer import Checkpointer, CheckpointError, fingerprint
 from distlib.reliability.failures import describe, shared_errors
 from distlib.reliability.stop import StopSignal
-from distlib.runner.data import DataError
+from distlib.runner.data.errors import DataError
 from tests.conftest import run_ranks
 from tests.library.test_checkpoint import make, objects
 

@@ -187,7 +187,7 @@ def test_gpt_step_modes_on_two_gloo_ranks(tmp_path):
     """Every mode that runs on the CPU reports tokens/s, consistent with its step time, and an MFU
     against the given peak; the GPU-only modes say why they did not run."""
     from bench.gpt_step import MODES
-    from distlib.runner.gpt import GPT, GPTConfig
+    from distlib.runner.models.gpt import GPT, GPTConfig
 
     out_json = tmp_path / "gpt.json"
     cmd = [

@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from distlib.runner.budget import Budget
+from distlib.runner.training.budget import Budget
 from tests.conftest import ROOT, run_ranks
 from tests.runner.conftest import checkpoints, saved, step_name
 from tests.runner.test_trainer import metrics

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 import distlib
 from distlib.runner.config import load_config
-from distlib.runner.gpt import GPT, GPTConfig, KVCache
-from distlib.runner.text_data import IGNORED, TokenLoader, eval_windows, load_byte_text
-from distlib.runner.throughput import mfu, peak_tflops
+from distlib.runner.data.text import IGNORED, TokenLoader, eval_windows, load_byte_text
+from distlib.runner.models.gpt import GPT, GPTConfig, KVCache
+from distlib.runner.observability.throughput import mfu, peak_tflops
 from tests.conftest import ROOT
 from tests.runner.test_e2e import launch
 from tests.runner.test_trainer import built, metrics
@@ -91,7 +91,7 @@ def test_mfu_counts_every_gpu_a_fallback_process_drives(monkeypatch):
     """dist.mode=fallback: one process per node drives all of its GPUs; the MFU is over all of them."""
     from types import SimpleNamespace as NS
 
-    from distlib.runner.tasks import CausalLMTask
+    from distlib.runner.tasks.causal_lm import CausalLMTask
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=2, n_embd=32))

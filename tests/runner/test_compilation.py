@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import distlib
-from distlib.runner.compilation import apply_block_settings, compile_cache_dir, use_compile_cache
 from distlib.runner.config import ConfigError, load_config
+from distlib.runner.training.compilation import apply_block_settings, compile_cache_dir, use_compile_cache
 from distlib.step.activation_checkpointing import checkpointing_of
 from tests.conftest import ROOT, run_ranks
 from tests.runner.test_sharding import DEMO, STEPS, TINY
@@ -116,7 +116,7 @@ def test_the_compiler_stage_starts_inductors_compile_workers_and_nothing_else_do
     them at the first graph); with another backend, eager, or the fallback mode it starts none."""
     import torch._inductor.async_compile as async_compile
 
-    from distlib.runner.compilation import load_compiler
+    from distlib.runner.training.compilation import load_compiler
 
     started = []
     monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: started.append(True))
@@ -137,7 +137,7 @@ def test_on_a_gpu_the_compile_workers_run_once_the_compiler_stage_is_over(tmp_pa
 
     code = (
         "import torch; from distlib.runner.config import load_config; "
-        "from distlib.runner.compilation import load_compiler; "
+        "from distlib.runner.training.compilation import load_compiler; "
         f"assert load_compiler(load_config({DEMO!r}, ['train.compile=blocks', 'run.compile_cache_dir={tmp_path}'])); "
         "from torch._inductor.async_compile import AsyncCompile, _pool_set; "
         "from torch._dynamo.utils import counters; "
@@ -260,8 +260,8 @@ def test_the_gpt_demo_compiled_per_block_trains_on_one_gpu(tmp_path, shard, over
 
 
 def test_the_loss_is_compiled_with_the_model_and_gives_the_eager_loss_and_gradient():
-    from distlib.runner.compilation import compiled_loss
-    from distlib.runner.losses import cross_entropy
+    from distlib.runner.tasks.losses import cross_entropy
+    from distlib.runner.training.compilation import compiled_loss
 
     assert compiled_loss(load_config(DEMO, ["train.compile=none"]), cross_entropy) is cross_entropy
     fn = compiled_loss(load_config(DEMO, [AOT, "train.compile=blocks"]), cross_entropy)

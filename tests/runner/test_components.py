@@ -56,13 +56,14 @@ def test_a_missing_required_argument_names_the_key_to_add():
 
 
 def test_registered_names_resolve_to_the_built_in_components():
-    from distlib.runner.losses import cross_entropy
-    from distlib.runner.models import gpt, small_cnn
+    from distlib.runner.models.gpt import gpt
+    from distlib.runner.models.vision import small_cnn
+    from distlib.runner.tasks.losses import cross_entropy
 
     assert components.resolve("model", "small_cnn") is small_cnn
     assert components.resolve("model", "gpt") is gpt
     assert components.resolve("loss", "cross_entropy") is cross_entropy
-    assert components.resolve("model", "distlib.runner.models:small_cnn") is small_cnn
+    assert components.resolve("model", "distlib.runner.models.vision:small_cnn") is small_cnn
 
 
 def _train_example(ctx, out_dir: str) -> dict:

@@ -231,7 +231,7 @@ def test_a_config_error_under_torchrun_is_printed_once(tmp_path):
 def test_a_config_error_on_another_local_rank_waits_for_torchrun_then_is_not_lost(monkeypatch, capsys):
     """Local rank 1 under torchrun prints nothing before torchrun would end it (local rank 0 reports
     the error); if it is not ended, it prints the error itself. Without torchrun: printed at once."""
-    from distlib.runner import outcome
+    from distlib.runner.training import outcome
 
     class Ended(BaseException):
         pass

@@ -17,8 +17,9 @@ import pytest
 import torch
 from PIL import Image
 
-from distlib.runner import data as data_module
-from distlib.runner.data import DataError, load_image_set
+from distlib.runner.data import images as data_module
+from distlib.runner.data.errors import DataError
+from distlib.runner.data.images import load_image_set
 from tests.conftest import ROOT
 
 DEMO = os.path.join(ROOT, "data", "cifar10-demo")

@@ -1,4 +1,4 @@
-"""distlib.runner.dcp_tensors: rows of a DCP checkpoint's tensors read straight from their torch.save
+"""distlib.runner.hf.dcp_tensors: rows of a DCP checkpoint's tensors read straight from their torch.save
 records equal what dcp.load gives, for every dtype and shape (a 0-dim one, an empty one), in any
 row range; a tensor whose record is not a contiguous one (a transposed tensor) is read by dcp.load
 instead; a truncated file is an error naming it. Fully sharded chunks (one record per rank) are
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from distlib.runner.dcp_tensors import CheckpointReadError, CheckpointTensors
+from distlib.runner.hf.dcp_tensors import CheckpointReadError, CheckpointTensors
 
 
 def _saved(path: str) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distlib.runner.device_loader import DeviceLoader, cutout, eval_shards, normalize_stats, random_crop
+from distlib.runner.data.device_loader import DeviceLoader, cutout, eval_shards, normalize_stats, random_crop
 
 # ---- DeviceLoader -----------------------------------------------------------------------------
 

@@ -15,9 +15,9 @@ import yaml
 from torch.utils.data import DistributedSampler, TensorDataset
 
 import distlib
-from distlib.runner.data import load_image_set
-from distlib.runner.device_loader import DeviceLoader
-from distlib.runner.models import small_cnn
+from distlib.runner.data.device_loader import DeviceLoader
+from distlib.runner.data.images import load_image_set
+from distlib.runner.models.vision import small_cnn
 from tests.conftest import ROOT, free_port, run_ranks
 from tests.runner.conftest import TORCHRUN_VARS, checkpoints, saved, step_name
 
@@ -245,7 +245,7 @@ def eval_fixture() -> tuple[torch.nn.Module, DeviceLoader, torch.Tensor, torch.T
 
 
 def _exact_eval(ctx):
-    from distlib.runner.evaluation import evaluate
+    from distlib.runner.tasks.evaluation import evaluate
 
     model, loader, x, y = eval_fixture()
     acc = evaluate(model, x, y, loader, ctx, torch.autocast("cpu", enabled=False), tta=False)

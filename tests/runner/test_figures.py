@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from distlib.runner.gpt import GPT, GPTConfig
+from distlib.runner.models.gpt import GPT, GPTConfig
 from tests.conftest import ROOT, run_ranks
 from tests.runner.test_trainer import metrics
 
@@ -45,7 +45,7 @@ def test_the_hand_count_is_the_models_own_parameters():
 
 def _launch_with_stand_in_memory(ctx, out_dir: str) -> int:
     import launch
-    from distlib.runner import throughput
+    from distlib.runner.observability import throughput
 
     throughput.allocated_peak = lambda device: int(FAKE_GIB[ctx.rank] * 2**30)  # this forked rank's own
     return launch.main([DEMO, *RUN, f"run.out_dir={out_dir}"])

@@ -175,7 +175,7 @@ def _read_counted(ctx, root: str, out: str, folder_name: str) -> dict:
     files return (os.preadv, which read_into reads with) and what load_pretrained says it read."""
     from pathlib import Path
 
-    from distlib.runner.hf_causal_lm import HFCausalLM
+    from distlib.runner.models.hf_causal_lm import HFCausalLM
 
     opened, read, said = set(), [0], []
     real_preadv, real_load = os.preadv, HFCausalLM.load_pretrained
@@ -304,7 +304,7 @@ def test_compiled_per_block_or_whole_and_checkpointed_it_trains_as_eager(folder,
 def test_flops_per_token_count_the_matrix_products_as_the_gpt_does():
     """6 per weight of a matrix product (the output layer counted once when tied; an untied input
     embedding is a lookup, not counted) plus 12 * layers * heads * head_dim * seq_len."""
-    from distlib.runner.hf_causal_lm import hf_causal_lm
+    from distlib.runner.models.hf_causal_lm import hf_causal_lm
 
     def by_hand(m, tied: bool) -> int:
         n = sum(p.numel() for p in m.parameters())
@@ -392,7 +392,7 @@ def test_a_folder_without_weights_and_a_missing_extra_are_config_errors(tmp_path
 
 
 def test_the_weights_of_another_model_are_an_error_naming_the_tensors(tmp_path, folder, world_size_1):
-    from distlib.runner.safetensors_folder import SafetensorsError
+    from distlib.runner.hf.safetensors_folder import SafetensorsError
 
     root, _ = folder
     other = tmp_path / "other"
@@ -410,7 +410,7 @@ def test_token_files_need_the_vocabulary_in_the_config_and_take_a_pretrained_fol
     """With data.name=token_file the tokens' vocabulary is the model's to say: a config without
     vocab_size is refused (the config class's default belongs to some other model); a pretrained
     folder's config.json gives it, and the token files are checked against it."""
-    from distlib.runner.tasks import recipe_vocab_size
+    from distlib.runner.tasks.causal_lm import recipe_vocab_size
 
     root, _ = folder
     tokens = ["data.name=token_file", f"data.root={os.path.join(ROOT, 'data', 'shakespeare-demo', 'tokens')}",
@@ -441,7 +441,7 @@ def _val_loss(model, root) -> float:
     """The validation loss over every window once, as the run evaluates it (world size 1)."""
     import torch.nn.functional as F
 
-    from distlib.runner.text_data import eval_windows, load_byte_text
+    from distlib.runner.data.text import eval_windows, load_byte_text
 
     data = load_byte_text(str(root / "text.txt"), block_size=BLOCK, val_frac=0.1)
     total, n = 0.0, 0
@@ -481,9 +481,9 @@ def test_an_exported_run_loads_with_from_pretrained_and_gives_its_validation_los
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from distlib.runner import export as export_module
-    from distlib.runner.dcp_tensors import CheckpointTensors
-    from distlib.runner.export import export, model_state
+    from distlib.runner.hf import export as export_module
+    from distlib.runner.hf.dcp_tensors import CheckpointTensors
+    from distlib.runner.hf.export import export, model_state
 
     root, _ = folder
     out = str(tmp_path / "run")
@@ -518,7 +518,7 @@ def test_the_gpt_exports_as_safetensors_and_its_config_and_other_models_are_refu
     """The built-in GPT: model.safetensors (the tied output layer once) and config.json, which
     load_gpt builds back with the run's weights; a model by import path is an error naming what
     to use instead, and so is a folder that is no run (exit status 2 from the command line)."""
-    from distlib.runner.export import ExportError, export, load_gpt, main, model_state
+    from distlib.runner.hf.export import ExportError, export, load_gpt, main, model_state
 
     out = str(tmp_path / "gpt")
     cfg = load_config(os.path.join(ROOT, "recipes", "gpt_demo.yaml"),
@@ -622,7 +622,7 @@ def test_the_llama_demo_on_a_gpu_in_bf16(tmp_path, overrides):
 def test_the_header_gives_each_tensors_dtype_shape_and_byte_range(tmp_path):
     from safetensors.torch import save_file
 
-    from distlib.runner.safetensors_folder import _data_offsets
+    from distlib.runner.hf.safetensors_folder import _data_offsets
 
     tensors = {"b": torch.arange(6, dtype=torch.float32), "a": torch.arange(4, dtype=torch.bfloat16).view(2, 2)}
     path = str(tmp_path / "model.safetensors")

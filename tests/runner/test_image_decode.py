@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from distlib.runner.data import DataError, load_image_set
-from distlib.runner.image_decode import decode_cpu, list_imagefolder
+from distlib.runner.data.errors import DataError
+from distlib.runner.data.image_decode import decode_cpu, list_imagefolder
+from distlib.runner.data.images import load_image_set
 from tests.conftest import ROOT
 
 DEMO = os.path.join(ROOT, "data", "cifar10-demo")
@@ -96,7 +97,7 @@ def test_corrupt_member_of_an_archive_is_named(tmp_path):
 @pytest.mark.parametrize("long_name", [False, True])
 def test_tar_reading_matches_tarfile(tmp_path, fmt, long_name):
     """The direct ustar reader, or tarfile where the archive needs it (long names, pax headers)."""
-    from distlib.runner.image_decode import _tar_files
+    from distlib.runner.data.image_decode import _tar_files
 
     root = small_copy(tmp_path / "images", per_class=2)
     if long_name:  # ustar keeps the 130-character name in its prefix field, gnu and pax in headers of their own

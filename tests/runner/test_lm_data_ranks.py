@@ -18,8 +18,8 @@ import torch
 
 import distlib
 from distlib.runner.config import load_config
-from distlib.runner.text_data import TokenLoader
-from distlib.runner.token_file import open_stream, write_token_file
+from distlib.runner.data.text import TokenLoader
+from distlib.runner.data.token_files import open_stream, write_token_file
 from tests.conftest import ROOT, run_ranks
 from tests.runner.conftest import checkpoints
 from tests.runner.test_trainer import built, metrics
@@ -67,8 +67,8 @@ def _overrides(kind: str, data: str, *extra: str) -> list[str]:
 def _train(ctx, overrides: list[str], out_dir: str, stop_after: int) -> dict:
     """One rank of a run that records what it trains and evaluates on (``stop_after`` > 0: rank 0
     gets a SIGTERM after that many steps of this process)."""
-    from distlib.runner.tasks import CausalLMTask
-    from distlib.runner.trainer import Trainer
+    from distlib.runner.tasks.causal_lm import CausalLMTask
+    from distlib.runner.training.trainer import Trainer
 
     seen, evals = [], []
     step, val_batches = Trainer.train_step, CausalLMTask._val_batches

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from distlib.runner.models import build_model, count_params, param_groups, resnet18_cifar, small_cnn
+from distlib.runner.models.parameters import count_params, param_groups
+from distlib.runner.models.vision import build_model, resnet18_cifar, small_cnn
 
 
 def test_resnet18_cifar_form():

@@ -1,4 +1,4 @@
-"""fp16 loss scaling and gradient clipping in every TrainStep (runner/optimizer_step.py).
+"""fp16 loss scaling and gradient clipping in every TrainStep (runner/training/optimizer_step.py).
 
 Both must act on the gradients averaged over the ranks: the GradScaler then skips the same
 steps on every rank, and the clipping norm is the global gradient's. Two gloo ranks run the
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlib.runner.config import Config
-from distlib.runner.optimizer_step import autocast_dtype
-from distlib.runner.step import build_step
+from distlib.runner.training.optimizer_step import autocast_dtype
+from distlib.runner.training.step import build_step
 from tests.conftest import run_ranks
 
 PER_RANK, FEATURES, CLASSES = 8, 6, 4

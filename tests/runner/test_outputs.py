@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import distlib
-from distlib.runner.environment import environment_json, git_commit
-from distlib.runner.plots import CurvePlot, plot_curves, plot_detached
+from distlib.runner.observability.environment import environment_json, git_commit
+from distlib.runner.observability.plots import CurvePlot, plot_curves, plot_detached
 from tests.conftest import ROOT
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -78,7 +78,7 @@ def test_curve_plot_redraws_only_when_due_and_only_on_the_main_rank(tmp_path):
 
 
 def test_curves_are_redrawn_during_training_at_most_once_a_minute(tmp_path, monkeypatch):
-    from distlib.runner import plots
+    from distlib.runner.observability import plots
 
     clock, drawn = [0.0], []
     monkeypatch.setattr(plots, "time", SimpleNamespace(monotonic=lambda: clock[0]))  # plots' clock only
@@ -93,7 +93,7 @@ def test_curves_are_redrawn_during_training_at_most_once_a_minute(tmp_path, monk
 def test_during_training_the_curves_are_drawn_by_a_detached_process_one_at_a_time(tmp_path, monkeypatch):
     """Given metrics.jsonl, the redraw never imports matplotlib in the training process: a detached
     drawer is started when due, and none while the last one is still drawing."""
-    from distlib.runner import plots
+    from distlib.runner.observability import plots
 
     clock, started, running = [0.0], [], [True]
     monkeypatch.setattr(plots, "time", SimpleNamespace(monotonic=lambda: clock[0]))
@@ -115,7 +115,7 @@ def test_during_training_the_curves_are_drawn_by_a_detached_process_one_at_a_tim
 
 
 def test_metrics_cut_short_by_a_crash_are_read_up_to_the_cut_and_trimmed_on_resume(tmp_path):
-    from distlib.runner.run_dir import RunDir
+    from distlib.runner.observability.run_dir import RunDir
 
     run = RunDir(str(tmp_path / "run"), is_main=True)
     for row in rows(2):
@@ -132,7 +132,7 @@ def test_metrics_cut_short_by_a_crash_are_read_up_to_the_cut_and_trimmed_on_resu
 
 
 def test_nodes_are_the_distinct_hosts_of_the_ranks(monkeypatch):
-    from distlib.runner import environment
+    from distlib.runner.observability import environment
 
     ranks = [{"rank": 0, "hostname": "a"}, {"rank": 1, "hostname": "a"}, {"rank": 2, "hostname": "b"}]
     monkeypatch.setattr(environment.collectives, "all_gather_object", lambda info: ranks)
@@ -219,7 +219,7 @@ def test_a_missing_bytecode_cache_is_named_with_its_fix(tmp_path, monkeypatch):
     import py_compile
     import sys
 
-    from distlib.runner.environment import bytecode_hint
+    from distlib.runner.observability.environment import bytecode_hint
 
     source = tmp_path / "site" / "pkg" / "__init__.py"
     source.parent.mkdir(parents=True)

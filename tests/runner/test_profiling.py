@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from distlib.runner.profiling import StepProfiler, device_sort_key
+from distlib.runner.observability.profiling import StepProfiler, device_sort_key
 
 
 def train_steps(prof: StepProfiler, n: int, device: str = "cpu") -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from distlib.runner.progress import TrainingProgress, format_duration, summarize
+from distlib.runner.observability.progress import TrainingProgress, format_duration, summarize
 
 ROWS = [
     {"epoch": 1, "train_loss": 2.0, "test_acc": 0.30, "images_per_s": 1000.0, "epoch_s": 2.0, "train_s": 2.0,

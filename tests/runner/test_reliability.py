@@ -26,7 +26,7 @@ import torch
 import distlib
 import launch
 from distlib.reliability.watchdog import grace_s
-from distlib.runner.data import load_image_set
+from distlib.runner.data.images import load_image_set
 from tests.conftest import ROOT, flip_a_tensor_byte, free_port
 from tests.runner.conftest import checkpoints, saved, step_name
 

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from distlib.runner import run_dir
-from distlib.runner.run_dir import RunDir
+from distlib.runner.observability import run_dir
+from distlib.runner.observability.run_dir import RunDir
 
 
 def test_each_metrics_row_is_synced_to_the_disk_as_it_is_written(tmp_path, monkeypatch):

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlib.runner import components
-from distlib.runner.checkpoints import RankStates
 from distlib.runner.config import load_config
-from distlib.runner.tasks import Task, _dataset_loaders
+from distlib.runner.tasks.task import Task, dataset_loaders
+from distlib.runner.training.checkpoints import RankStates
 from tests.conftest import run_ranks
 
 OWN_DATA = ["data.name=examples.own_model.spirals:spirals", "data.args.n=120", "train.batch_size=8"]
@@ -57,7 +57,7 @@ def test_a_components_args_win_over_what_the_runner_provides():
 
 def _order(seed: int) -> list[int]:
     cfg = load_config(None, [*OWN_DATA, f"train.seed={seed}"])
-    loader, _, _, _ = _dataset_loaders(cfg, types.SimpleNamespace(device=torch.device("cpu")), 8)
+    loader, _, _, _ = dataset_loaders(cfg, types.SimpleNamespace(device=torch.device("cpu")), 8)
     return [round(float(v), 6) for x, _ in loader for v in x[:, 0]]
 
 
@@ -128,7 +128,7 @@ def test_each_rank_takes_back_its_own_values_and_another_world_size_their_mean()
 def test_every_gpu_in_the_peak_table_gets_its_own_peak_not_one_its_name_contains(monkeypatch):
     """Names contain one another (H200 and H20, GB200 and B200, L40S and L4): each GPU's name gives
     its own row's peak, whatever the order of the table."""
-    from distlib.runner.throughput import PEAK_BF16_TFLOPS, peak_tflops
+    from distlib.runner.observability.throughput import PEAK_BF16_TFLOPS, peak_tflops
 
     for part, tflops in PEAK_BF16_TFLOPS:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, part=part: f"NVIDIA {part}")
@@ -142,7 +142,7 @@ def test_gpt_is_causal_and_its_embedding_scores_the_tokens():
     """A position's logits read only the tokens up to it (a model that sees the next token learns
     faster, and every loss test would pass); the token embedding is the output matrix, after a
     meta-device build's ``to_empty()`` too."""
-    from distlib.runner.gpt import GPT, GPTConfig
+    from distlib.runner.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)).eval()
@@ -166,7 +166,7 @@ def test_model_args_of_the_gpt_recipe_reach_the_model():
     than the others, reaches the model (dropout and bias too, which no loss curve of the demo shows)."""
     import dataclasses
 
-    from distlib.runner.models import gpt
+    from distlib.runner.models.gpt import gpt
 
     args = {"vocab_size": 40, "block_size": 12, "n_layer": 3, "n_head": 2, "n_embd": 8, "dropout": 0.25, "bias": True}
     model = gpt(**args)
@@ -180,7 +180,7 @@ def test_model_args_of_the_gpt_recipe_reach_the_model():
 
 
 def _steps(ctx, shard: str) -> dict:
-    from distlib.runner.step import build_step
+    from distlib.runner.training.step import build_step
 
     out = {}
     for clip in (0.0, 0.05):  # without clipping, and clipping every step

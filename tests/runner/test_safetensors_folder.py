@@ -23,8 +23,8 @@ pytest.importorskip("safetensors")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from distlib.runner import safetensors_folder as sf  # noqa: E402
-from distlib.runner.safetensors_folder import SafetensorsError, read_into  # noqa: E402
+from distlib.runner.hf import safetensors_folder as sf  # noqa: E402
+from distlib.runner.hf.safetensors_folder import SafetensorsError, read_into  # noqa: E402
 from tests.conftest import run_ranks  # noqa: E402
 
 SMALL = 4096  # bytes of a read in these tests: several per tensor

@@ -1,4 +1,4 @@
-"""distlib.runner.safetensors_stream: the streamed file holds, tensor for tensor, what save_file
+"""distlib.runner.hf.safetensors_stream: the streamed file holds, tensor for tensor, what save_file
 writes for the same (cast) tensors, in one group or in many, its header valid for safe_open; a read
 that fails leaves no file behind."""
 
@@ -16,8 +16,8 @@ pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from distlib.runner import safetensors_stream  # noqa: E402
-from distlib.runner.safetensors_stream import Entry  # noqa: E402
+from distlib.runner.hf import safetensors_stream  # noqa: E402
+from distlib.runner.hf.safetensors_stream import Entry  # noqa: E402
 
 
 def _source() -> dict[str, torch.Tensor]:

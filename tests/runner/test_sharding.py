@@ -21,7 +21,7 @@ import torch
 import distlib
 from distlib.checkpoint.checkpointer import CheckpointError, fingerprint
 from distlib.runner.config import ConfigError, load_config
-from distlib.runner.trainer import Trainer
+from distlib.runner.training.trainer import Trainer
 from tests.conftest import ROOT, run_ranks
 from tests.runner.conftest import checkpoints, step_name
 from tests.runner.test_e2e import launch
@@ -355,7 +355,7 @@ def test_one_file_checkpoints_are_refused_by_name_and_run_resume_false_deletes_t
 
 
 def _resume_in(ctx, directories: list[str]) -> str:
-    from distlib.runner.checkpoints import build_checkpoints
+    from distlib.runner.training.checkpoints import build_checkpoints
 
     settings = {"settings": {}}
     ckpts = build_checkpoints(directories[ctx.rank], {"train_state": {}}, shard="none", fingerprint=settings, keep=1)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from distlib.runner.timeline import Timeline, process_start_time, timeline_rows
+from distlib.runner.observability.timeline import Timeline, process_start_time, timeline_rows
 from tests.conftest import ROOT
 
 
@@ -61,7 +61,7 @@ def test_stages_and_headline_figures(tmp_path):
 
 def test_under_torchrun_the_launchers_lead_is_noted(monkeypatch):
     """launcher_lead_s: how long torchrun's agent (the parent) ran before this worker started."""
-    from distlib.runner import timeline
+    from distlib.runner.observability import timeline
 
     starts = {"self": 1000.0, os.getppid(): 990.5}
     monkeypatch.setattr(timeline, "_start_time_of", lambda pid: starts[pid])
@@ -80,7 +80,7 @@ def test_process_start_comes_from_the_os():
     before = time.time()
     out = subprocess.run(
         [sys.executable, "-c", "import time; time.sleep(0.5); "
-         "from distlib.runner.timeline import process_start_time; print(process_start_time())"],
+         "from distlib.runner.observability.timeline import process_start_time; print(process_start_time())"],
         cwd=ROOT, capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     after = time.time()
@@ -92,7 +92,7 @@ def test_process_start_comes_from_the_os():
 
 def test_launch_imports_no_torchvision_matplotlib_or_rich():
     code = (
-        "import sys; import launch; from distlib.runner.environment import _torchvision_version; "
+        "import sys; import launch; from distlib.runner.observability.environment import _torchvision_version; "
         "v = _torchvision_version(); "
         "print(sorted(m for m in ('torchvision', 'matplotlib', 'rich') if m in sys.modules)); print(v)"
     )

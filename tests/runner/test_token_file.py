@@ -14,9 +14,9 @@ import torch
 
 import distlib
 from distlib.runner.config import ConfigError, load_config
-from distlib.runner.data import DataError
-from distlib.runner.text_data import TokenLoader, eval_windows
-from distlib.runner.token_file import (
+from distlib.runner.data.errors import DataError
+from distlib.runner.data.text import TokenLoader, eval_windows
+from distlib.runner.data.token_files import (
     HEADER_BYTES,
     TokenStream,
     llm_c_header,

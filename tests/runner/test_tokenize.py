@@ -18,8 +18,8 @@ import pytest
 
 tokenizers = pytest.importorskip("tokenizers")  # the hf extra; CI installs it through the test extra
 
-from distlib.runner.token_file import HEADER_BYTES, load_token_file, open_stream  # noqa: E402
-from distlib.runner.tokenize import TokenizeError, main, tokenize  # noqa: E402
+from distlib.runner.data.token_files import HEADER_BYTES, load_token_file, open_stream  # noqa: E402
+from distlib.runner.data.tokenize import TokenizeError, main, tokenize  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 from tests.runner.test_trainer import metrics  # noqa: E402
 

@@ -23,10 +23,10 @@ from torch import nn
 
 import distlib
 from distlib.runner.config import load_config
-from distlib.runner.data import load_image_set
-from distlib.runner.device_loader import DeviceLoader
-from distlib.runner.models import small_cnn
-from distlib.runner.trainer import Trainer
+from distlib.runner.data.device_loader import DeviceLoader
+from distlib.runner.data.images import load_image_set
+from distlib.runner.models.vision import small_cnn
+from distlib.runner.training.trainer import Trainer
 from tests.conftest import ROOT, run_ranks
 from tests.runner.conftest import checkpoints, saved, step_name
 
@@ -209,7 +209,7 @@ def test_launch_maps_the_outcome_to_one_exit_code_and_tears_down(
 def test_the_error_line_names_the_rank_that_says_it(monkeypatch, capsys):
     from types import SimpleNamespace
 
-    from distlib.runner import outcome
+    from distlib.runner.training import outcome
 
     monkeypatch.setattr(outcome, "context", lambda: SimpleNamespace(rank=3))
     assert outcome.exit_code(RuntimeError("[gloo] Connection reset by peer"), timeout_s=60.0) == 1
@@ -224,7 +224,7 @@ def test_a_checkpoint_must_match_every_key_but_the_documented_free_ones():
     import dataclasses
 
     from distlib.runner.config import Config
-    from distlib.runner.trainer import resume_settings
+    from distlib.runner.training.trainer import resume_settings
 
     cfg = Config()
     free = {"eval_every", "tta", "tta_translate", "cuda_graph", "prewarm_steps", "cudnn_benchmark", "compile",

@@ -53,7 +53,7 @@ def test_ema_evaluates_the_averaged_weights(tmp_path, baseline):
 
 
 def test_ema_decay_ramps_up_to_the_configured_decay():
-    from distlib.runner.schedule import ema_decay
+    from distlib.runner.training.schedule import ema_decay
 
     ramp = [ema_decay(0.99, n) for n in range(2000)]
     assert ramp[0] == pytest.approx(0.1)  # the first update nearly copies the trained weights

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from distlib.runner.device_loader import DeviceLoader, shift
-from distlib.runner.evaluation import evaluate
+from distlib.runner.data.device_loader import DeviceLoader, shift
+from distlib.runner.tasks.evaluation import evaluate
 
 
 def test_shift_moves_the_image_and_fills_the_edge_by_reflection():

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import distlib
-from distlib.runner.warmup import warm_up
+from distlib.runner.training.warmup import warm_up
 
 
 def _setup():

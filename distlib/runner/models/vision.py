@@ -1,4 +1,4 @@
-"""The models the recipes name."""
+"""The image models recipes name: torchvision's ResNet18 in its CIFAR form, and a small CNN."""
 
 from __future__ import annotations
 
@@ -38,21 +38,6 @@ def small_cnn(num_classes: int = 10, width: int = 32) -> nn.Module:
     )
 
 
-def gpt(
-    vocab_size: int = 256,
-    block_size: int = 256,
-    n_layer: int = 6,
-    n_head: int = 6,
-    n_embd: int = 384,
-    dropout: float = 0.0,
-    bias: bool = False,
-) -> nn.Module:
-    """The decoder-only transformer of runner/gpt.py (GPT-2 small: n_layer=12, n_head=12, n_embd=768)."""
-    from distlib.runner.gpt import GPT, GPTConfig
-
-    return GPT(GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias))
-
-
 def build_model(name: str, num_classes: int, width: int) -> nn.Module:
     """A built-in image model by its short name (the benchmarks' entry; recipes go through runner/components.py)."""
     if name == "resnet18_cifar":
@@ -62,18 +47,4 @@ def build_model(name: str, num_classes: int, width: int) -> nn.Module:
     raise ValueError(f"unknown model {name!r}; known: resnet18_cifar, small_cnn")
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on conv and linear weights only: not on norm weights, biases or embeddings
-    (a weight tied to an embedding, like GPT's output layer, counts as the embedding)."""
-    embedding = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    params = [p for p in model.parameters() if p.requires_grad]  # each shared parameter once
-    decay = [p for p in params if p.ndim > 1 and id(p) not in embedding]
-    no_decay = [p for p in params if p.ndim <= 1 or id(p) in embedding]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def count_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-__all__ = ["resnet18_cifar", "small_cnn", "gpt", "build_model", "param_groups", "count_params"]
+__all__ = ["resnet18_cifar", "small_cnn", "build_model"]

@@ -17,7 +17,7 @@ from torch import nn
 
 import distlib
 from distlib.runner.config import Config, ConfigError
-from distlib.runner.data import default_cache_dir
+from distlib.runner.data.images import default_cache_dir
 
 
 def compile_cache_dir(cfg: Config) -> str:

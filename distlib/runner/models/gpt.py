@@ -228,3 +228,16 @@ class GPT(nn.Module):
                 nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
+
+
+def gpt(
+    vocab_size: int = 256,
+    block_size: int = 256,
+    n_layer: int = 6,
+    n_head: int = 6,
+    n_embd: int = 384,
+    dropout: float = 0.0,
+    bias: bool = False,
+) -> nn.Module:
+    """The recipes' ``model.name: gpt`` (GPT-2 small: n_layer=12, n_head=12, n_embd=768)."""
+    return GPT(GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias))

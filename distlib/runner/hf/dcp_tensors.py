@@ -30,14 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from distlib import DistlibError
-from distlib.runner.positional_reads import read_exactly
+from distlib.runner.hf.dtypes import TORCH_STORAGES
+from distlib.runner.hf.positional_reads import read_exactly
 
-# the storage classes a torch.save pickle names, and their dtypes (the classes' own dtype
-# attribute warns that typed storages are deprecated)
-_STORAGES = {"DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
-             "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-             "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
-             "BoolStorage": torch.bool}  # fmt: skip
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # a zip entry's local header: signature, ..., name and extra lengths
 
 
@@ -66,8 +61,8 @@ class _TensorPickle(pickle.Unpickler):
             return _described
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
-        if module == "torch" and name in _STORAGES:
-            return _STORAGES[name]
+        if module == "torch" and name in TORCH_STORAGES:
+            return TORCH_STORAGES[name]
         raise pickle.UnpicklingError(f"{module}.{name}")
 
     def persistent_load(self, pid):  # ("storage", dtype, key, location, numel)

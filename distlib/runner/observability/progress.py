@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # rich is imported when first used: it is not needed to start
     from rich.console import Console
     from rich.progress import Progress
 
-from distlib.runner.timeline import timeline_rows
+from distlib.runner.observability.timeline import timeline_rows
 
 MODES = ("auto", "rich", "plain")
 

@@ -14,7 +14,7 @@ runner's loss, precision, sharding, compile and checkpoints apply as to the buil
 per-block compile and activation checkpointing use (``distlib.find_blocks``). A pretrained model
 is built without initialisation and its weights are read once it is on its device
 (``load_pretrained``, called by the runner): under ``dist.shard=full`` after sharding, every
-rank reading only the rows of its shards (runner/safetensors_folder.py).
+rank reading only the rows of its shards (runner/hf/safetensors_folder.py).
 
 transformers is an optional extra (``pip install 'distlib[hf]'``): imported only when a recipe
 names this model. Design: docs/huggingface.md.
@@ -113,7 +113,7 @@ def check_args(args: Mapping[str, Any]) -> list[str]:
     elif config is not None:
         build_config(config, problems)
     else:
-        from distlib.runner.safetensors_folder import SafetensorsError, weight_files
+        from distlib.runner.hf.safetensors_folder import SafetensorsError, weight_files
 
         if not os.path.isfile(os.path.join(pretrained, "config.json")):
             problems.append(f"model.args.pretrained: {pretrained!r} has no config.json (a folder that "
@@ -173,7 +173,7 @@ class HFCausalLM(nn.Module):
         0 for a model built from a config."""
         if not self.pretrained:
             return 0
-        from distlib.runner.safetensors_folder import read_into
+        from distlib.runner.hf.safetensors_folder import read_into
 
         return read_into(self.hf, self.pretrained)
 

@@ -17,12 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from distlib.errors import DistlibError
-from distlib.runner.image_decode import ListingError, decode_cpu, list_imagefolder, read_archive
-
-
-class DataError(DistlibError, RuntimeError):
-    """The data set is missing, unreadable or inconsistent."""
+from distlib.runner.data.errors import DataError
+from distlib.runner.data.image_decode import ListingError, decode_cpu, list_imagefolder, read_archive
 
 
 @dataclass

@@ -8,11 +8,11 @@
         trainer.close(error)          # the one teardown, for success and every failure
 
 What it trains for (data, loss, evaluation, metrics) is the ``Task``'s business
-(runner/tasks.py): image classification or causal language modelling, chosen by ``build_task``.
+(runner/tasks/task.py): image classification or causal language modelling, chosen by ``build_task``.
 Where the run stands (epochs done, steps into the next, its clocks, this rank's loss sum)
 is a ``TrainState``, saved in every checkpoint, so a resumed run continues bit for bit.
-How gradients are synced is the ``TrainStep``'s business (runner/step.py), and the checkpoint
-format the ``RunCheckpoints``' (runner/checkpoints.py): nothing here depends on ``dist.mode``, and
+How gradients are synced is the ``TrainStep``'s business (runner/training/step.py), and the checkpoint
+format the ``RunCheckpoints``' (runner/training/checkpoints.py): nothing here depends on ``dist.mode``, and
 ``dist.shard`` only where the model is made (``build_model``) and where a fully sharded model
 must run its forward passes on every rank (``finish_task``).
 """
@@ -36,23 +36,23 @@ from distlib.reliability.failures import abort, describe
 from distlib.reliability.stop import StopSignal
 from distlib.reliability.watchdog import Watchdog
 from distlib.runner import components
-from distlib.runner.budget import Budget
-from distlib.runner.checkpoints import build_checkpoints
-from distlib.runner.compilation import load_compiler
 from distlib.runner.config import Config, ConfigError, dump_yaml
-from distlib.runner.environment import bytecode_hint, environment_json
-from distlib.runner.models import count_params, param_groups
-from distlib.runner.optimizer_step import OptimizerSpec, autocast_dtype
-from distlib.runner.plots import CurvePlot
-from distlib.runner.profiling import StepProfiler
-from distlib.runner.progress import TrainingProgress, run_rates
-from distlib.runner.run_dir import RunDir
-from distlib.runner.schedule import WarmupLinear, ema_decay, retarget, warmup_linear
-from distlib.runner.step import TrainStep, build_step
+from distlib.runner.models.parameters import count_params, param_groups
+from distlib.runner.observability.environment import bytecode_hint, environment_json
+from distlib.runner.observability.plots import CurvePlot
+from distlib.runner.observability.profiling import StepProfiler
+from distlib.runner.observability.progress import TrainingProgress, run_rates
+from distlib.runner.observability.run_dir import RunDir
+from distlib.runner.observability.tensorboard import TensorBoardLog
+from distlib.runner.observability.throughput import peak_memory_gib
+from distlib.runner.observability.timeline import Timeline
 from distlib.runner.tasks import Task, build_task
-from distlib.runner.tensorboard_log import TensorBoardLog
-from distlib.runner.throughput import peak_memory_gib
-from distlib.runner.timeline import Timeline
+from distlib.runner.training.budget import Budget
+from distlib.runner.training.checkpoints import build_checkpoints
+from distlib.runner.training.compilation import load_compiler
+from distlib.runner.training.optimizer_step import OptimizerSpec, autocast_dtype
+from distlib.runner.training.schedule import WarmupLinear, ema_decay, retarget, warmup_linear
+from distlib.runner.training.step import TrainStep, build_step
 
 # may change on a resume: they do not change what the weights are, or (the budget: train.epochs,
 # train.max_steps) the resumed run recomputes its schedule over the new total and says so
@@ -288,7 +288,7 @@ class Trainer:
     # ---- train ---------------------------------------------------------------------------
 
     def fit(self) -> int:
-        """Train from ``state`` to the end of the budget (runner/budget.py). Returns 0, or the exit code
+        """Train from ``state`` to the end of the budget (runner/training/budget.py). Returns 0, or the exit code
         of the signal (SIGTERM/SIGINT) that stopped every rank at one step, after saving a checkpoint there."""
         s, t = self.state, self.cfg.train
         self._t_start = time.perf_counter() - s.elapsed_s
@@ -462,7 +462,7 @@ class Trainer:
 
     def save_checkpoint(self, background: bool = False, final: bool = False) -> None:
         """A checkpoint of the models, optimizer, schedule and ``state`` (a collective). ``background``:
-        asynchronous (runner/checkpoints.py), training continues while it is written. ``final``: the
+        asynchronous (runner/training/checkpoints.py), training continues while it is written. ``final``: the
         run's last, written in the background from the tensors themselves (no step follows it to change
         them, and no copy is made), committed by ``fit``."""
         s = self.state

@@ -9,7 +9,7 @@ from torch import nn
 
 import distlib
 from distlib.distributed.process_group import Context
-from distlib.runner.device_loader import DeviceLoader, eval_shards, shift
+from distlib.runner.data.device_loader import DeviceLoader, eval_shards, shift
 
 
 @torch.no_grad()

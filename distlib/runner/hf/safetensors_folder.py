@@ -35,17 +35,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from distlib import DistlibError
-from distlib.runner.positional_reads import read_exactly
+from distlib.runner.hf.dtypes import SAFETENSORS
+from distlib.runner.hf.positional_reads import read_exactly
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 PIECE = 64 << 20  # bytes of one read (a longer tensor is read in several)
 BUFFERS = 3  # host buffers in the ring: one being read into while the others are copied out
-# the safetensors dtypes read (and written), those this torch has
-DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in {
-    "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64", "I32": "int32",
-    "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}.items() if hasattr(torch, v)}  # fmt: skip
 
 
 class SafetensorsError(DistlibError, ValueError):
@@ -325,10 +321,10 @@ def read_into(module: nn.Module, directory: str) -> int:
             s = stored[name]
             if s.shape != tuple(t.shape):
                 raise SafetensorsError(f"{path}: {name} has shape {list(s.shape)}, the model's is {list(t.shape)}")
-            dtype = DTYPES.get(s.dtype)
+            dtype = SAFETENSORS.get(s.dtype)
             if dtype is None:
                 raise SafetensorsError(f"{path}: {name} is stored as {s.dtype!r}, a dtype not read here (those "
-                                       f"read: {', '.join(DTYPES)})")  # fmt: skip
+                                       f"read: {', '.join(SAFETENSORS)})")  # fmt: skip
             if s.end - s.start != (nbytes := math.prod(s.shape) * dtype.itemsize):
                 raise SafetensorsError(f"{path}: {name} takes {s.end - s.start} bytes, not the {nbytes} of "
                                        f"{list(s.shape)} {s.dtype}")  # fmt: skip
@@ -356,4 +352,4 @@ def read_into(module: nn.Module, directory: str) -> int:
     return read
 
 
-__all__ = ["DTYPES", "INDEX", "SINGLE", "SafetensorsError", "read_into", "weight_files"]
+__all__ = ["INDEX", "SINGLE", "SafetensorsError", "read_into", "weight_files"]

@@ -1,6 +1,6 @@
 """Text for the language-model task: byte-level text (a ``.txt`` or ``.txt.gz`` file read as
 bytes, vocabulary 256, split by position: the last ``val_frac`` for validation), and the loader of
-it and of token files (runner/token_file.py): the byte stream kept on the device and cut into
+it and of token files (runner/data/token_files.py): the byte stream kept on the device and cut into
 windows there, a token file's windows read from its memory map (no CPU DataLoader either way).
 """
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from distlib.runner.data import DataError
-from distlib.runner.token_file import TokenStream
+from distlib.runner.data.errors import DataError
+from distlib.runner.data.token_files import TokenStream
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distlib.runner.data import DataError
+from distlib.runner.data.errors import DataError
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4

@@ -27,10 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from distlib.runner.dcp_tensors import bytes_of
-from distlib.runner.safetensors_folder import DTYPES
+from distlib.runner.hf.dcp_tensors import bytes_of
+from distlib.runner.hf.dtypes import SAFETENSORS_NAMES
 
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # the names a safetensors header gives dtypes
 ALIGN = 64  # bytes: where each part starts in a group's read buffer (any dtype views it)
 
 
@@ -76,10 +75,10 @@ def header(entries: Sequence[Entry], metadata: Mapping[str, str] | None = None) 
         fields["__metadata__"] = dict(metadata)
     offsets, at = [], 0
     for e in entries:
-        if e.dtype not in DTYPE_NAMES:
+        if e.dtype not in SAFETENSORS_NAMES:
             raise ValueError(f"{e.name}: dtype {e.dtype} has no safetensors name")
         n = math.prod(e.shape) * e.dtype.itemsize
-        fields[e.name] = {"dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape), "data_offsets": [at, at + n]}
+        fields[e.name] = {"dtype": SAFETENSORS_NAMES[e.dtype], "shape": list(e.shape), "data_offsets": [at, at + n]}
         offsets.append(at)
         at += n
     text = json.dumps(fields, separators=(",", ":")).encode()

@@ -8,7 +8,7 @@ The trainer sees only ``TrainStep``; ``build_step`` alone picks the implementati
   over the model from ``shard_model``, FSDP2's mixed precision in place of autocast), run
   eagerly (``grad_accum`` micro-steps, communication on the last only) or replayed as one
   CUDA graph (``train.cuda_graph``, distlib/step/cuda_graph.py); with ``train.compile`` each block
-  compiled, or the whole model by ``distlib.compile_for_sync`` (runner/compilation.py; the kernels
+  compiled, or the whole model by ``distlib.compile_for_sync`` (runner/training/compilation.py; the kernels
   then inside the graph), with ``train.activation_checkpointing`` each block checkpointed;
 - ``fallback``: ``ReplicasStep``, one process drives every GPU of its node (distlib.Replicas,
   distlib/parallel/comm_fallback.py).
@@ -16,7 +16,7 @@ The trainer sees only ``TrainStep``; ``build_step`` alone picks the implementati
 Every step runs forward, backward, the gradient sync, the optimizer step and ``post_step`` (the
 weight EMA's update; inside the graph when there is one), and returns this rank's mean loss
 (not synced). Loss scaling (fp16) and gradient clipping are the shared ``OptimizerStep``'s
-(runner/optimizer_step.py), run only on the averaged gradients; the clipping norm is the sync's
+(runner/training/optimizer_step.py), run only on the averaged gradients; the clipping norm is the sync's
 ``clip_grad_norm_``, the global norm whether the gradients are replicated or sharded. Calling a step is a collective:
 every rank must call it alike.
 """
@@ -33,14 +33,12 @@ from torch import nn
 import distlib
 from distlib.distributed.process_group import Context, EnvError
 from distlib.parallel.comm_fallback import Replicas, node_devices
-from distlib.runner.compilation import apply_block_settings, compiled_loss
 from distlib.runner.config import Config, ConfigError
-from distlib.runner.losses import cross_entropy
-from distlib.runner.optimizer_step import OptimizerSpec, OptimizerStep, autocast_dtype
-from distlib.runner.warmup import warm_up
+from distlib.runner.tasks.losses import LossFn, cross_entropy
+from distlib.runner.training.compilation import apply_block_settings, compiled_loss
+from distlib.runner.training.optimizer_step import OptimizerSpec, OptimizerStep, autocast_dtype
+from distlib.runner.training.warmup import warm_up
 from distlib.step.cuda_graph import build_train_step
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class TrainStep:
