@@ -32,7 +32,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install $(TORCH_PKGS)
-	$(BIN)/python -m pip install -e '.[runner,test]'
+	$(BIN)/python -m pip install -e '.[runner,images,plots,test]'
 	@# the PyPI name distlib is also pypa's (virtualenv needs it): this install replaces it, pip check says so
 	$(BIN)/python -m pip check
 	@touch $@

@@ -114,6 +114,27 @@ class ProfileConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases (needs 'distlib[wandb]'); the W&B run is resumed with the distlib run."""
+
+    enabled: bool = False
+    project: str = "distlib"
+    entity: str = ""  # "" = the account's default
+    group: str = ""
+    # auto: WANDB_MODE or W&B's default (online); offline: files in out_dir/wandb, `wandb sync` uploads them
+    mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+
+
+@dataclass
+class MLflowConfig:
+    """MLflow tracking (needs 'distlib[mlflow]'); the MLflow run is resumed with the distlib run."""
+
+    enabled: bool = False
+    tracking_uri: str = ""  # "" = a local store in out_dir (mlflow.db, mlartifacts/); or a server's address
+    experiment: str = "distlib"
+
+
+@dataclass
 class RunConfig:
     name: str = ""  # "" = the recipe's file name
     out_dir: str = ""  # "" = runs/<name>; on several nodes a path all of them share (each rank writes checkpoints)
@@ -125,7 +146,11 @@ class RunConfig:
     checkpoint_staging: Literal["auto", "device", "host"] = "auto"
     resume: bool = True  # continue from the newest checkpoint in out_dir
     progress: Literal["auto", "rich", "plain"] = "auto"  # auto: a live bar on a terminal, plain lines otherwise
+    # curves.png of the metrics; auto: when matplotlib is installed ('distlib[plots]'), else a line says so
+    curves: Literal["auto", "on", "off"] = "auto"
     tensorboard: bool = False  # also write TensorBoard event files to out_dir (needs 'distlib[tensorboard]')
+    wandb: WandbConfig = field(default_factory=lambda: WandbConfig())  # run.wandb=true turns it on
+    mlflow: MLflowConfig = field(default_factory=lambda: MLflowConfig())  # run.mlflow=true turns it on
     compile_cache_dir: str = ""  # torch.compile's caches; "" = $TORCHINDUCTOR_CACHE_DIR or ~/.cache/distlib/compile
 
 
@@ -224,6 +249,7 @@ def _coerce(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
 _BOOL_CHOICES = {
     "train.compile": {True: "auto", False: "none"},
     "train.activation_checkpointing": {True: "full", False: "none"},
+    "run.curves": {True: "on", False: "off"},
 }
 
 
@@ -245,6 +271,9 @@ def _apply(obj: Any, data: Any, prefix: str, problems: list[str]) -> None:
             continue
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
+            plain = value.parsed if isinstance(value, _OverrideValue) else value
+            if isinstance(plain, bool) and "enabled" in {f.name for f in dataclasses.fields(tp)}:
+                value = {"enabled": plain}  # run.wandb=true: a section that is switched on or off
             _apply(getattr(obj, key), value, path, problems)
             continue
         if path in _BOOL_CHOICES:
@@ -341,9 +370,16 @@ def _validate(cfg: Config, problems: list[str]) -> None:
             "train.precision=fp16 with train.cuda_graph=true: the fp16 loss scaler cannot run inside a captured "
             "step; use train.precision=bf16 (no scaler needed) or train.cuda_graph=false"
         )
-    if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        problems.append("run.tensorboard=true: the tensorboard package is not installed; "
-                        "pip install 'distlib[tensorboard]', or set run.tensorboard=false")  # fmt: skip
+    for path, wanted, package, extra in (
+        ("run.tensorboard", cfg.run.tensorboard, "tensorboard", "tensorboard"),
+        ("run.wandb", cfg.run.wandb.enabled, "wandb", "wandb"),
+        ("run.mlflow", cfg.run.mlflow.enabled, "mlflow", "mlflow"),
+        ("run.curves", cfg.run.curves == "on", "matplotlib", "plots"),
+    ):
+        if wanted and importlib.util.find_spec(package) is None:
+            on, off = ("on", "off") if path == "run.curves" else ("true", "false")
+            problems.append(f"{path}={on}: the {package} package is not installed; pip install 'distlib[{extra}]', "
+                            f"or set {path}={off}")  # fmt: skip
     _check_components(cfg, problems)
     _check_sharding(cfg, problems)
     if cfg.train.compile != "none" and cfg.dist.mode == "fallback":
@@ -418,6 +454,13 @@ def _check_components(cfg: Config, problems: list[str]) -> None:
         provided = dict.fromkeys(PROVIDED[key])
         components.check(key, key, section.name, section.args, problems, provided=provided,
                          positional=2 if key == "loss" else 0)  # fmt: skip
+    for path, name, package, what in (
+        ("model.name", cfg.model.name, "torchvision", "resnet18_cifar"),
+        ("data.name", cfg.data.name, "PIL", "image_folder"),
+    ):
+        if name == what and importlib.util.find_spec(package) is None:
+            problems.append(f"{path}={name} needs the images extra ({package} is not installed): "
+                            "pip install 'distlib[images]'")  # fmt: skip
     task = task_of(cfg)
     if task == "causal_lm" and cfg.data.name == "image_folder":
         problems.append("train.task=causal_lm with data.name=image_folder: a language model trains on text; "

@@ -35,8 +35,10 @@ def _modules() -> dict[str, str]:
 
 
 def _is_type_checking(node: ast.If) -> bool:
-    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING" or (
-        isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING"
+    return (
+        isinstance(node.test, ast.Name)
+        and node.test.id == "TYPE_CHECKING"
+        or (isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING")
     )
 
 
@@ -140,3 +142,34 @@ def test_each_command_line_tool_runs_as_a_module(command):
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert f"distlib.runner.{command}" in out.stdout or "usage" in out.stdout
+
+
+def _third_party_imports() -> set[str]:
+    """The top-level names of every package distlib's code imports (late imports included), but
+    the standard library's and distlib's own."""
+    names = set()
+    for path in _modules().values():
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Import):
+                names.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names.add(node.module.split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names and n not in ("distlib", "__future__")}
+
+
+def test_every_package_the_code_imports_is_declared():
+    import importlib.metadata
+    import re
+
+    import tomllib
+
+    project = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]
+    requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    declared = {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements}
+    distributions = importlib.metadata.packages_distributions()
+    undeclared = {}
+    for name in sorted(_third_party_imports()):
+        dists = {d.lower().replace("_", "-") for d in distributions.get(name, [name])}
+        if not dists & declared:
+            undeclared[name] = sorted(dists)
+    assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"

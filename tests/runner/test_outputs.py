@@ -61,18 +61,18 @@ def test_detached_plot_draws_from_metrics_without_torch_and_reports_failures(tmp
 def test_curve_plot_redraws_only_when_due_and_only_on_the_main_rank(tmp_path):
     path = tmp_path / "curves.png"
     plot = CurvePlot(str(path), rows(2), every_s=3600)
-    plot.add({"epoch": 3, "train_loss": 0.5, "test_acc": 0.4})
+    plot.log({"epoch": 3, "train_loss": 0.5, "test_acc": 0.4}, step=3)
     assert not path.exists()  # not due yet: training is not held up by drawing
     plot.write()
     assert_png(path)
     assert [r["epoch"] for r in plot.rows] == [1, 2, 3]  # rows of a resumed run come first
 
     eager = CurvePlot(str(tmp_path / "eager.png"), every_s=0)
-    eager.add(rows(1)[0])
+    eager.log(rows(1)[0], step=1)
     assert_png(tmp_path / "eager.png")
 
     other_rank = CurvePlot(str(tmp_path / "no.png"), rows(3), enabled=False, every_s=0)
-    other_rank.add(rows(1)[0])
+    other_rank.log(rows(1)[0], step=1)
     other_rank.write()
     assert not (tmp_path / "no.png").exists()
 
@@ -86,7 +86,7 @@ def test_curves_are_redrawn_during_training_at_most_once_a_minute(tmp_path, monk
     plot = CurvePlot(str(tmp_path / "curves.png"))
     for t, row in zip((30, 61, 62, 100, 121, 122), rows(6)):  # an epoch ends at each of these seconds
         clock[0] = float(t)
-        plot.add(row)
+        plot.log(row, step=row["epoch"])
     assert drawn == [(61.0, 2), (121.0, 5)]
 
 
@@ -107,10 +107,10 @@ def test_during_training_the_curves_are_drawn_by_a_detached_process_one_at_a_tim
     plot = CurvePlot(str(tmp_path / "curves.png"), metrics_path=str(tmp_path / "metrics.jsonl"))
     for t, row in zip((61, 122, 130), rows(3)):  # the first drawer still runs at 122 s
         clock[0] = float(t)
-        plot.add(row)
+        plot.log(row, step=row["epoch"])
     running[0] = False
     clock[0] = 131.0
-    plot.add(rows(4)[3])
+    plot.log(rows(4)[3], step=4)
     assert started == [61.0, 131.0]
 
 

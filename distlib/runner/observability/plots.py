@@ -12,8 +12,10 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from distlib.runner.observability.metrics import MetricSink
 
 
 def plot_curves(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> None:
@@ -87,7 +89,7 @@ def _main(argv: list[str]) -> None:
             f.write(traceback.format_exc())
 
 
-class CurvePlot:
+class CurvePlot(MetricSink):
     """The curves file of a running job, redrawn at the end and now and then.
 
     Drawing takes a sizeable fraction of a second, the first import of matplotlib
@@ -113,11 +115,11 @@ class CurvePlot:
         self._last = time.monotonic()
         self._drawing: subprocess.Popen | None = None  # the detached redraw in flight
 
-    def add(self, row: dict[str, Any]) -> None:
+    def log(self, row: Mapping[str, Any], step: int) -> None:
         """Record a metrics row; redraw if the last drawing is old enough."""
         if not self.enabled:
             return
-        self.rows.append(row)
+        self.rows.append(dict(row))
         if time.monotonic() - self._last < self.every_s:
             return
         if self.metrics_path is None:
@@ -137,3 +139,10 @@ class CurvePlot:
         if self.enabled and self.rows:
             return plot_detached(metrics_path, self.path, self.title)
         return None
+
+    def training_done(self) -> None:
+        """The final curves, drawn from metrics.jsonl after this process exits (``write_detached``)."""
+        if self.metrics_path is not None:
+            self.write_detached(self.metrics_path)
+        else:
+            self.write()

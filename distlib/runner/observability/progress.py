@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # rich is imported when first used: it is not needed to start
     from rich.console import Console
     from rich.progress import Progress
 
+from distlib.runner.observability.metrics import MetricSink
 from distlib.runner.observability.timeline import timeline_rows
 
 MODES = ("auto", "rich", "plain")
@@ -132,7 +133,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
     return out
 
 
-class TrainingProgress:
+class TrainingProgress(MetricSink):
     """Live progress of a training run on the main rank.
 
     ``mode``: "rich" (a live bar), "plain" (one line per epoch, and one every
@@ -253,6 +254,10 @@ class TrainingProgress:
         elif now >= self._next_plain:
             self._next_plain = now + self.plain_every_s
             self._print_plain(self._line(now))
+
+    def log(self, row: dict[str, Any], step: int) -> None:
+        """As a ``MetricSink``: a row inside an epoch carries its ``epoch_step``."""
+        self.epoch_end(row, ends_epoch="epoch_step" not in row)
 
     def epoch_end(self, row: dict[str, Any], ends_epoch: bool = True) -> None:
         """Report a metrics row (``epoch``, ``train_loss``, ``test_acc``, ``images_per_s``, ...):

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
+from distlib.runner.observability.metrics import MetricSink
 
-class RunDir:
-    """Only the main rank writes; other ranks' calls do nothing."""
+
+class RunDir(MetricSink):
+    """Only the main rank writes; other ranks' calls do nothing. As a ``MetricSink``: metrics.jsonl,
+    one row a line, flushed to disk before ``log`` returns (a checkpoint that follows never gets
+    ahead of its row)."""
 
     def __init__(self, path: str, is_main: bool):
         self.path = path
@@ -51,7 +56,10 @@ class RunDir:
         keep = [r for r in self.read_metrics() if kept(r)]
         self.write_text("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in keep))
 
-    def log_metrics(self, row: dict[str, Any]) -> None:
+    def log(self, row: Mapping[str, Any], step: int) -> None:
+        self.log_metrics(row)
+
+    def log_metrics(self, row: Mapping[str, Any]) -> None:
         if self.is_main:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")

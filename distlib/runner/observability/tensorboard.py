@@ -8,23 +8,14 @@ the config refuses the key without it, so nothing fails here once training has s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-# metrics.jsonl key -> TensorBoard tag
-TAGS = {
-    "train_loss": "train/loss",
-    "lr": "train/lr",
-    "test_acc": "eval/accuracy",
-    "val_loss": "eval/loss",
-    "val_ppl": "eval/perplexity",
-    "samples_per_s": "throughput/samples_per_s",
-    "tokens_per_s": "throughput/tokens_per_s",
-    "mfu": "throughput/mfu",
-}
+from distlib.runner.observability.metrics import MetricSink, scalars
 
 
-class TensorBoardLog:
-    """``add(row, step)`` after each epoch; ``close()`` flushes. Does nothing unless ``enabled``."""
+class TensorBoardLog(MetricSink):
+    """A ``MetricSink``: each row's numbers as scalars (``metrics.TAGS``). Does nothing unless ``enabled``."""
 
     def __init__(self, log_dir: str, enabled: bool, purge_step: int | None = None):
         """``purge_step``: the first step this run writes; TensorBoard drops the events an earlier run
@@ -35,18 +26,14 @@ class TensorBoardLog:
 
             self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
 
-    def add(self, row: dict[str, Any], step: int) -> None:
+    def log(self, row: Mapping[str, Any], step: int) -> None:
         if self.writer is None:
             return
-        for key, tag in TAGS.items():
-            value = row.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(tag, value, global_step=step)
-        for rank, gib in enumerate(row.get("peak_mem_gib") or []):
-            self.writer.add_scalar(f"memory/peak_gib_rank{rank}", gib, global_step=step)
+        for tag, value in scalars(row).items():
+            self.writer.add_scalar(tag, value, global_step=step)
         self.writer.flush()
 
-    def add_text(self, tag: str, text: str, step: int) -> None:
+    def log_text(self, tag: str, text: str, step: int) -> None:
         if self.writer is not None:
             self.writer.add_text(tag, text, global_step=step)
             self.writer.flush()

@@ -39,11 +39,10 @@ from distlib.runner import components
 from distlib.runner.config import Config, ConfigError, dump_yaml
 from distlib.runner.models.parameters import count_params, param_groups
 from distlib.runner.observability.environment import bytecode_hint, environment_json
-from distlib.runner.observability.plots import CurvePlot
+from distlib.runner.observability.metrics import Metrics, build_metrics
 from distlib.runner.observability.profiling import StepProfiler
 from distlib.runner.observability.progress import TrainingProgress, run_rates
 from distlib.runner.observability.run_dir import RunDir
-from distlib.runner.observability.tensorboard import TensorBoardLog
 from distlib.runner.observability.throughput import peak_memory_gib
 from distlib.runner.observability.timeline import Timeline
 from distlib.runner.tasks import Task, build_task
@@ -123,7 +122,7 @@ class Trainer:
         self.step_fn: TrainStep | None = None
         self._final_save_t0: float | None = None  # when the final checkpoint's save began
         self.task: Task | None = None
-        self.tensorboard: TensorBoardLog | None = None
+        self.metrics: Metrics | None = None  # the sinks of the metrics rows, built at the resume
         self.stop: StopSignal | None = None
         # a rank that stops running (SIGSTOP, frozen host) is killed soon after its peers time out
         self.watchdog = Watchdog(cfg.dist.timeout_s, ctx.rank) if ctx.world_size > 1 else None
@@ -257,13 +256,9 @@ class Trainer:
         self.resume_budget()
         self.loader.set_epoch(self.state.epoch)
         self.run.start_metrics(self.state.epoch, step=self.global_step)
-        # rows from here on are new (metrics.jsonl was trimmed to the checkpoint's step): TensorBoard
-        # drops what an earlier run wrote after that step, or a resumed stretch would show twice
-        self.tensorboard = TensorBoardLog(self.run.path, enabled=cfg.run.tensorboard and self.ctx.is_main,
-                                          purge_step=self.global_step + 1)  # fmt: skip
-        self.curves = CurvePlot(os.path.join(self.run.path, "curves.png"), self.run.read_metrics(),
-                                title=cfg.run.name, enabled=self.ctx.is_main,
-                                metrics_path=self.run.metrics_path)  # fmt: skip
+        # rows from here on are new (metrics.jsonl was trimmed to the checkpoint's step)
+        self.metrics = build_metrics(cfg, self.run, self.progress, is_main=self.ctx.is_main,
+                                     first_step=self.global_step + 1)  # fmt: skip
 
     def resume_budget(self) -> None:
         """After a resume: the schedule of this run's budget in place of the checkpoint's (a resume may
@@ -310,7 +305,7 @@ class Trainer:
         if self._final_save_t0 is not None:
             self.timeline.note(final_checkpoint_s=round(time.perf_counter() - self._final_save_t0, 3))
         self.finished_rows = self.run.read_metrics()  # the summary is printed after the teardown
-        self.curves.write_detached(self.run.metrics_path)  # curves.png appears shortly after the exit
+        self.metrics.training_done()  # curves.png appears shortly after the exit; trackers' runs finished
         self.stop.close()
         self.timeline.mark("plot")
         return 0
@@ -408,13 +403,9 @@ class Trainer:
             }
             if (memory := peak_memory_gib(self.ctx.device)) is not None:  # a collective, on a GPU
                 row["peak_mem_gib"] = memory
-            self.run.log_metrics(row)  # before the checkpoint: a crash in between rewrites the row, never skips it
+            self.metrics.log(row, step)  # before the checkpoint: a crash in between rewrites the row, never skips it
         if budget.checkpoints(step) and not final:
             self.save_checkpoint(background=True)
-        if row is not None:
-            self.progress.epoch_end(row, ends_epoch=ends_epoch)
-            self.curves.add(row)
-            self.tensorboard.add(row, step=step)
         if final:
             self.timeline.mark("metrics")  # the last metrics row, shown and logged
 
@@ -451,7 +442,7 @@ class Trainer:
             return
         if extra.get("sample"):
             self.log.info("sample from the final model:\n%s", extra["sample"])
-            self.tensorboard.add_text("sample", extra["sample"], step=self.global_step)
+            self.metrics.log_text("sample", extra["sample"], step=self.global_step)
         rows = self.run.read_metrics()
         last = rows[-1] if rows else {}
         final = {k: v for k, v in last.items() if k in self.task.metrics}
@@ -491,8 +482,8 @@ class Trainer:
                 distlib.shutdown(barrier=False)
         self.profiler.close()
         self.progress.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        if self.metrics is not None:
+            self.metrics.close()
         if self.stop is not None:
             self.stop.restore_handlers()
         if self.step_fn is not None:
