@@ -14,9 +14,11 @@ those states: the plain build's values, whatever the world size, with one parame
 time. A parameter created with values (``nn.Parameter(torch.ones(n))``) is recorded as a copy of
 them, kept on the host.
 
-What cannot be replayed so raises ``Unreplayable`` while recording: an operation that writes into a
-parameter from another meta tensor (an initialisation computed from a temporary derived from a meta
-parameter, as ``nn.init.orthogonal_``'s), or one that writes into several parameters at once.
+torch's ``trunc_normal_``, ``orthogonal_`` and ``sparse_`` (called as ``nn.init.NAME``) are recorded
+as one operation each: they draw into temporaries or branch on the values drawn. What cannot be
+replayed raises ``Unreplayable`` while recording: an operation that writes into a parameter from
+another meta tensor (a parameter computed from another), one that writes into several parameters at
+once, or one that reads a value (``.item()``, a branch on the data).
 Design: docs/sharding.md.
 """
 
@@ -36,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from distlib.distributed import collectives
 from distlib.distributed.state_broadcast import broadcast_tensors
 
-__all__ = ["InitRecording", "Unreplayable", "record_init"]
+__all__ = ["InitRecording", "Unreplayable", "plain_parameters", "record_init"]
 
 
 class Unreplayable(RuntimeError):
@@ -96,6 +98,34 @@ def _generator(device: torch.device, kwargs: dict) -> torch.Generator:
     if device.type == "cuda":
         return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
     return torch.default_generator
+
+
+class _RecordedParameter(nn.Parameter):
+    """A parameter on the meta device whose initialisation is recorded. It says it is not on the
+    meta device: torch's ``trunc_normal_`` and ``orthogonal_`` return at once on a meta tensor
+    ("sampling is a no-op"), and would leave it uninitialised; told otherwise they run, and their
+    operations are recorded (or found unreplayable). Swapped back for a plain parameter
+    (``plain_parameters``) before anything else sees the model."""
+
+    @property
+    def is_meta(self) -> bool:  # type: ignore[override]
+        return False
+
+
+def _recorded(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    return _RecordedParameter(t, requires_grad=requires_grad)
+
+
+def plain_parameters(model: nn.Module) -> None:
+    """Every recorded parameter of ``model`` replaced by a plain one on the same storage (a
+    parameter several modules share stays one)."""
+    swapped: dict[int, nn.Parameter] = {}
+    for m in model.modules():
+        for n, p in list(m._parameters.items()):
+            if isinstance(p, _RecordedParameter):
+                if id(p) not in swapped:
+                    swapped[id(p)] = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+                m._parameters[n] = swapped[id(p)]
 
 
 def _view(t: torch.Tensor) -> _View:
@@ -178,6 +208,8 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+            raise Unreplayable("it reads a value of a tensor without values (.item(), a data-dependent branch)")
         if not any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tree_flatten((args, kwargs))[0]):
             out = func(*args, **kwargs)
             self._track_fresh(func, args, kwargs, out)
@@ -245,13 +277,16 @@ def parameters_to_meta(rec: InitRecording | None = None) -> Iterator[None]:
         if param is not None and type(param) is nn.Parameter:
             if param.device.type != "meta":
                 values = param.detach()
-                param = nn.Parameter(values.to("meta"), requires_grad=param.requires_grad)
+                meta = values.to("meta")
+                param = nn.Parameter(meta, requires_grad=param.requires_grad) if rec is None else \
+                    _recorded(meta, param.requires_grad)
                 if rec is not None:
                     rec.track(param)
                     if _key(values) not in rec.fresh:
                         host = values.cpu() if values.device.type != "cpu" else values
                         rec.ops[_key(param)].append(_Op(torch.Tensor.copy_, (_view(param), host), {}))
             elif rec is not None:
+                param = _recorded(param.detach(), param.requires_grad)
                 rec.track(param)
         register(module, name, param)
 
@@ -262,14 +297,55 @@ def parameters_to_meta(rec: InitRecording | None = None) -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
+# torch's initialisations that draw into a temporary, or resample what falls out of bounds (a branch
+# on the values drawn): each is recorded as one operation on the parameter, from the generator's state
+_WHOLE_INITS = ("trunc_normal_", "orthogonal_", "sparse_")
+
+
+@contextlib.contextmanager
+def _whole_inits(rec: InitRecording) -> Iterator[None]:
+    """``torch.nn.init``'s ``trunc_normal_``, ``orthogonal_`` and ``sparse_`` on a recorded parameter
+    recorded as one operation each: run on a scratch tensor (the stream advances as in the plain
+    build), replayed from the generator's state before it."""
+    originals = {name: getattr(nn.init, name) for name in _WHOLE_INITS}
+
+    def wrap(original: Any) -> Any:
+        def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if not rec.recorded(tensor):
+                return original(tensor, *args, **kwargs)
+            gen = _generator(rec.device, kwargs)
+            op = _Op(original, (_view(tensor), *args), kwargs, gen, gen.get_state())
+            rec.ops[_key(tensor)].append(op)
+            scratch = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=rec.device)
+            original(scratch, *args, **kwargs)
+            return tensor
+
+        return init
+
+    for name, original in originals.items():
+        setattr(nn.init, name, wrap(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(nn.init, name, original)
+
+
 @contextlib.contextmanager
 def record_init(device: torch.device, model: nn.Module | None = None) -> Iterator[InitRecording]:
     """Inside, parameters registered go to the meta device (and those of ``model``, already on
-    it, are recorded as they are); every operation that writes into them is recorded, and every
-    random one advances ``device``'s stream as it would in a plain build there."""
+    it, are recorded as they are): every operation that writes into them is recorded, and every
+    random one advances ``device``'s stream as it would in a plain build there. Call
+    ``plain_parameters(model)`` once the model is built."""
     rec = InitRecording(torch.device(device))
     if model is not None:
-        for p in model.parameters():
-            rec.track(p)
-    with parameters_to_meta(rec), _Recorder(rec):
+        swapped: dict[int, nn.Parameter] = {}
+        for m in model.modules():
+            for n, p in list(m._parameters.items()):
+                if p is not None and p.device.type == "meta":
+                    if id(p) not in swapped:
+                        swapped[id(p)] = _recorded(p.detach(), p.requires_grad)
+                        rec.track(swapped[id(p)])
+                    m._parameters[n] = swapped[id(p)]
+    with parameters_to_meta(rec), _whole_inits(rec), _Recorder(rec):
         yield rec

@@ -26,7 +26,13 @@ from distlib.distributed import collectives
 from distlib.distributed.state_broadcast import broadcast_module, broadcast_tensors
 from distlib.log import get_logger
 from distlib.parallel.blocks import find_blocks
-from distlib.parallel.deferred_init import InitRecording, Unreplayable, parameters_to_meta, record_init
+from distlib.parallel.deferred_init import (
+    InitRecording,
+    Unreplayable,
+    parameters_to_meta,
+    plain_parameters,
+    record_init,
+)
 from distlib.parallel.sharded_optimizer import ShardingError
 
 __all__ = ["FSDPSync", "ShardingError", "is_fully_sharded", "shard_model"]
@@ -171,6 +177,7 @@ def _record(
         filled = _buffers_to(model, device)
         with record_init(device, model) as rec, torch.no_grad():
             (init or _default_init)(model)
+        plain_parameters(model)
         return model, rec, filled
     if init is not None:  # the model's own initialisation skipped (on the meta device), init(model) recorded
         with parameters_to_meta():
@@ -178,10 +185,12 @@ def _record(
         filled = _buffers_to(model, device)
         with record_init(device, model) as rec, torch.no_grad():
             init(model)
+        plain_parameters(model)
         return model, rec, filled
     # the plain build's code, where it runs, under the caller's random stream
     with torch.device(device), record_init(device) as rec:
         model = _checked(build())
+    plain_parameters(model)
     return model, rec, []
 
 
@@ -277,6 +286,8 @@ def shard_model(
         try:
             model, rec, filled = _record(build, init, device)
         except (Unreplayable, NotImplementedError) as e:
+            if isinstance(build, nn.Module):
+                plain_parameters(build)
             for g, s in states:  # the stream as the caller left it: the whole build draws it again
                 g.set_state(s)
             name = type(build).__name__ if isinstance(build, nn.Module) else getattr(build, "__name__", "the model")
