@@ -23,7 +23,7 @@ from tests.conftest import run_ranks
 BIG = GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=4, n_embd=128)
 
 
-def _peak_bytes(fn):
+def peak_bytes(fn):
     """``fn()``'s result and the peak of the host memory allocated while it ran, above what was
     allocated before (the CPU allocator's allocations and frees, as torch's profiler records them)."""
     from torch.profiler import ProfilerActivity, profile
@@ -47,7 +47,7 @@ def _simulated(ctx, rank: int, world: int) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
-        model, peak = _peak_bytes(lambda: shard_model(lambda: GPT(BIG), device="cpu"))
+        model, peak = peak_bytes(lambda: shard_model(lambda: GPT(BIG), device="cpu"))
         shards = {n: p.to_local().clone() for n, p in model.named_parameters()}
         held = sum(p.to_local().untyped_storage().nbytes() for p in model.parameters())
         rng = torch.get_rng_state()
