@@ -411,7 +411,7 @@ def _check_sharding(cfg: Config, problems: list[str]) -> None:
     """The settings dist.shard cannot run with (docs/sharding.md, "With the runner")."""
     shard, t, d = cfg.dist.shard, cfg.train, cfg.dist
     if shard != "full":
-        changed = [f"dist.{k}={getattr(d, k)}" for k, default in (("offload", False), ("reshard_after_forward", True),
+        changed = [f"dist.{k}={str(getattr(d, k)).lower()}" for k, default in (("offload", False), ("reshard_after_forward", True),
                    ("accumulate", "unsharded")) if getattr(d, k) != default]  # fmt: skip
         problems.extend(f"{c} with dist.shard={shard}: it applies to full sharding only; set dist.shard=full or "
                         "leave it out" for c in changed)  # fmt: skip
