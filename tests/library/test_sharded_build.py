@@ -167,3 +167,44 @@ def test_a_transformers_model_and_a_fallback_give_the_plain_builds_weights(world
         assert "built whole" in warned, warned
         assert r["empty_nan"]
         assert torch.equal(r["empty_rng"], untouched)
+
+
+def _simulated_on_gpu(ctx) -> dict:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from distlib.parallel.fsdp import shard_model
+
+    cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=16, n_head=16, n_embd=1024)
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    with device:
+        plain = GPT(cfg)
+    want = {n: torch.chunk(p.detach(), 8, dim=0)[0].clone() for n, p in plain.named_parameters()}
+    whole = sum(p.numel() * p.element_size() for p in plain.parameters())
+    largest = max(p.numel() * p.element_size() for p in plain.parameters())
+    del plain
+    torch.cuda.empty_cache()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        torch.manual_seed(0)
+        model = shard_model(lambda: GPT(cfg), device=device)
+        peak = torch.cuda.max_memory_allocated() - before
+        held = sum(p.to_local().untyped_storage().nbytes() for p in model.parameters())
+        equal = all(torch.equal(p.to_local(), want[n]) for n, p in model.named_parameters())
+    finally:
+        dist.destroy_process_group()
+    return {"peak": peak, "held": held, "whole": whole, "largest": largest, "equal": equal}
+
+
+@pytest.mark.gpus(1)
+def test_on_a_gpu_a_simulated_rank_of_8_never_holds_the_whole_model():
+    """A 0.25B GPT on the GPU at a simulated world size of 8: rank 0's shards are its rows of the
+    plain build on the GPU, and the GPU memory allocated while shard_model runs peaks at the shards
+    plus a few parameters (the embedding, 206 MB, is the largest), under half the whole model."""
+    (r,) = run_ranks(_simulated_on_gpu, 1, timeout=300)
+    assert r["equal"]
+    assert r["peak"] <= r["held"] + 3 * r["largest"] + 64 * 2**20, r
+    assert r["peak"] < r["whole"] / 2, r
