@@ -178,6 +178,7 @@ def _record(
         with record_init(device, model) as rec, torch.no_grad():
             (init or _default_init)(model)
         plain_parameters(model)
+        _check_recorded(model, rec)
         return model, rec, filled
     if init is not None:  # the model's own initialisation skipped (on the meta device), init(model) recorded
         with parameters_to_meta():
@@ -186,12 +187,22 @@ def _record(
         with record_init(device, model) as rec, torch.no_grad():
             init(model)
         plain_parameters(model)
+        _check_recorded(model, rec)
         return model, rec, filled
     # the plain build's code, where it runs, under the caller's random stream
     with torch.device(device), record_init(device) as rec:
         model = _checked(build())
     plain_parameters(model)
+    _check_recorded(model, rec)
     return model, rec, []
+
+
+def _check_recorded(model: nn.Module, rec: InitRecording) -> None:
+    """Every parameter on the meta device is one the recording knows (not one a conversion such as
+    ``model.to(dtype)`` replaced by a new tensor)."""
+    unknown = [n for n, p in model.named_parameters() if p.device.type == "meta" and not rec.recorded(p)]
+    if unknown:
+        raise Unreplayable(f"{', '.join(unknown[:3])} were replaced by tensors made from them (a conversion)")
 
 
 def _rng_states(device: torch.device) -> list[tuple[torch.Generator, torch.Tensor]]:
@@ -385,7 +396,11 @@ def _fill_shards(
             if local.is_floating_point():
                 local.fill_(float("nan"))  # a row no file gives shows up
             continue
-        full, written = rec.materialise(meta_params[name], device)
+        source = meta_params[name]
+        if source.device.type == "meta":
+            full, written = rec.materialise(source, device)
+        else:  # made with its values outside what the recording sees (kept whole until now)
+            full, written = source.detach().to(device), True
         if isinstance(p, DTensor):  # this rank's rows, as FSDP2 cuts them: no communication
             part = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
         else:

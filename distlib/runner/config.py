@@ -411,8 +411,8 @@ def _check_sharding(cfg: Config, problems: list[str]) -> None:
     """The settings dist.shard cannot run with (docs/sharding.md, "With the runner")."""
     shard, t, d = cfg.dist.shard, cfg.train, cfg.dist
     if shard != "full":
-        changed = [f"dist.{k}={str(getattr(d, k)).lower()}" for k, default in (("offload", False), ("reshard_after_forward", True),
-                   ("accumulate", "unsharded")) if getattr(d, k) != default]  # fmt: skip
+        defaults = {"offload": False, "reshard_after_forward": True, "accumulate": "unsharded"}
+        changed = [f"dist.{k}={str(getattr(d, k)).lower()}" for k, v in defaults.items() if getattr(d, k) != v]
         problems.extend(f"{c} with dist.shard={shard}: it applies to full sharding only; set dist.shard=full or "
                         "leave it out" for c in changed)  # fmt: skip
     if shard == "none":
