@@ -278,8 +278,11 @@ def parameters_to_meta(rec: InitRecording | None = None) -> Iterator[None]:
             if param.device.type != "meta":
                 values = param.detach()
                 meta = values.to("meta")
-                param = nn.Parameter(meta, requires_grad=param.requires_grad) if rec is None else \
-                    _recorded(meta, param.requires_grad)
+                param = (
+                    nn.Parameter(meta, requires_grad=param.requires_grad)
+                    if rec is None
+                    else _recorded(meta, param.requires_grad)
+                )
                 if rec is not None:
                     rec.track(param)
                     if _key(values) not in rec.fresh:

@@ -308,8 +308,11 @@ def shard_model(
                 "while it is built): initialise each parameter in place, or pass init="
             )
             model, filled = _build_whole(build, init, device)
-    how = "init(model)" if init is not None else (
-        f"{type(model).__name__}'s reset_parameters()" if on_meta else f"{type(model).__name__}'s construction")
+    how = (
+        "init(model)"
+        if init is not None
+        else (f"{type(model).__name__}'s reset_parameters()" if on_meta else f"{type(model).__name__}'s construction")
+    )
     if empty:
         broadcast_tensors(list(model.buffers()))
     elif rec is None:

@@ -513,7 +513,11 @@ def test_large_models_runs_tiny_on_the_cpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [(r["part"], r.get("world"), r.get("offload")) for r in rows] == [
-        ("build", 8, None), ("build", 64, None), ("offload", None, False), ("offload", None, True)]
+        ("build", 8, None),
+        ("build", 64, None),
+        ("offload", None, False),
+        ("offload", None, True),
+    ]
     for r in rows:
         assert "error" not in r and r["step_s"] > 0, r
     assert all(r["shards_gib"] <= r["whole_gib"] for r in rows[:2])

@@ -211,8 +211,7 @@ def _read_counted(ctx, root: str, out: str, folder_name: str) -> dict:
             held = sum(p.to_local().untyped_storage().nbytes() for p in trainer.model.parameters())
     finally:
         os.preadv, HFCausalLM.load_pretrained, Trainer.build_model = real_preadv, real_load, real_build
-    return {"read": read[0], "said": said, "opened": sorted(opened), "weights": weights, "peak": peak[0],
-            "held": held}
+    return {"read": read[0], "said": said, "opened": sorted(opened), "weights": weights, "peak": peak[0], "held": held}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
