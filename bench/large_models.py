@@ -64,7 +64,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--parts", type=csv, default=["build", "offload"], help="build, offload")
     p.add_argument("--cases", type=csv, default=list(CASES), help="cases of the build part: " + ", ".join(CASES))
     p.add_argument("--batch", type=int, default=1, help="sequences a step")
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--offload-size", default="32x4096", help="the offload part's GPT: LAYERSxWIDTH")
     p.add_argument("--steps", type=int, default=3, help="timed steps of the offload part (after one warm-up)")
     p.add_argument("--tiny", action="store_true", help="tiny models on the CPU, the same code (the test)")
