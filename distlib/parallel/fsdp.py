@@ -1,8 +1,9 @@
 """Full sharding (parameters, gradients, optimizer state) through torch's FSDP2 ``fully_shard``.
 
-``shard_model`` builds the model where it runs (the weights of a plain build with the same seed, at
-every world size), applies ``fully_shard`` per block and then to the root, each rank keeping its
-shards; a model on the meta device is made whole and initialised first. ``FSDPSync`` is
+``shard_model`` builds the model with its parameters on the meta device while recording what
+initialises each (``deferred_init``), applies ``fully_shard`` per block and then to the root, then
+makes each parameter whole on its own and keeps this rank's rows: the weights of a plain build with
+the same seed, at every world size, without ever holding the whole model. ``FSDPSync`` is
 the step interface GradSync also offers (``no_sync()``, ``wait()``, global-norm clipping), with
 the fixes for FSDP2's known traps (gloo's averaging, accumulation, clipping). Design: docs/sharding.md.
 """
@@ -18,13 +19,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from distlib.distributed import collectives
-from distlib.distributed.state_broadcast import broadcast_module
+from distlib.distributed.state_broadcast import broadcast_module, broadcast_tensors
 from distlib.log import get_logger
 from distlib.parallel.blocks import find_blocks
+from distlib.parallel.deferred_init import (
+    InitRecording,
+    Unreplayable,
+    parameters_to_meta,
+    plain_parameters,
+    record_init,
+)
 from distlib.parallel.sharded_optimizer import ShardingError
 
 __all__ = ["FSDPSync", "ShardingError", "is_fully_sharded", "shard_model"]
@@ -33,31 +41,6 @@ __all__ = ["FSDPSync", "ShardingError", "is_fully_sharded", "shard_model"]
 def is_fully_sharded(model: nn.Module) -> bool:
     """True when ``model`` or one of its submodules is managed by FSDP2 (``fully_shard``)."""
     return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-# ---- building on the meta device ---------------------------------------------------------------
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Every parameter registered inside goes to the meta device; buffers keep their real values.
-
-    Under ``torch.device("meta")`` a buffer computed in ``__init__`` (a causal mask, rotary
-    frequencies, a non-persistent constant) would be meta too, and ``to_empty()`` would leave
-    garbage in it. Here only parameters move (each one allocated on the host, uninitialised, for
-    the moment of its registration): the buffers are kept, with their values, to be restored
-    after ``to_empty()``.
-    """
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta" and type(param) is nn.Parameter:
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
 
 
 def _ensure_group(device: torch.device) -> None:
@@ -135,27 +118,20 @@ def _uninitialised(model: nn.Module, names: list[str]) -> list[str]:
     return [n for n, bad in zip(names, flags) if bad]
 
 
-def _build(
+def _build_whole(
     build: Callable[[], nn.Module] | nn.Module, init: Callable[[nn.Module], None] | None, device: torch.device
 ) -> tuple[nn.Module, list[str]]:
-    """The whole model on ``device``, initialised; and the names of the tensors to check for NaN."""
+    """The whole model on ``device``, initialised; and the names of the tensors to check for NaN.
+    For a model passed built, and the fallback of a model whose initialisation cannot be replayed
+    one parameter at a time."""
     if isinstance(build, nn.Module):
         model = build
-        if is_fully_sharded(model):
-            raise ShardingError(
-                "shard_model: the model is already sharded (fully_shard was applied); pass it unsharded"
-            )
-    elif callable(build):
-        if init is None:  # where it runs, under the caller's random stream: the weights of a plain build
-            with torch.device(device):
-                model = build()
-        else:
-            with _parameters_on_meta():
-                model = build()
-        if not isinstance(model, nn.Module):
-            raise ShardingError(f"shard_model: build() returned {type(model).__name__}, not an nn.Module")
+    elif init is None:  # where it runs, under the caller's random stream: the weights of a plain build
+        with torch.device(device):
+            model = _checked(build())
     else:
-        raise ShardingError(f"shard_model: build must be a function returning the model or a model, got {build!r}")
+        with parameters_to_meta():
+            model = _checked(build())
     if any(p.device.type == "meta" for p in model.parameters()):
         return model, _materialise(model, init, device)
     model.to(device)  # a no-op for a model built under torch.device(device)
@@ -163,6 +139,86 @@ def _build(
         with torch.no_grad():
             init(model)
     return model, []
+
+
+def _checked(model: object) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise ShardingError(f"shard_model: build() returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> list[str]:
+    """The model's buffers on ``device``, those on the meta device (no value) filled with NaN;
+    returns the names of those, to be checked once the initialisation has run."""
+    filled = []
+    for mname, m in model.named_modules():
+        for bname, b in list(m._buffers.items()):
+            if b is None:
+                continue
+            if b.device.type == "meta":
+                b = torch.empty_like(b, device=device)
+                if b.is_floating_point() or b.is_complex():
+                    b.fill_(float("nan"))
+                    filled.append(f"{mname}.{bname}" if mname else bname)
+            m._buffers[bname] = b.to(device)
+    return filled
+
+
+def _record(
+    build: Callable[[], nn.Module] | nn.Module, init: Callable[[nn.Module], None] | None, device: torch.device
+) -> tuple[nn.Module, InitRecording, list[str]]:
+    """The model with its parameters on the meta device and what initialises each recorded
+    (``deferred_init``); its buffers on ``device``. Returns the model, the recording and the
+    buffers to check for NaN."""
+    if isinstance(build, nn.Module):  # on the meta device: its init or reset_parameters(), recorded
+        model = build
+        if not all(p.device.type == "meta" for p in model.parameters()):
+            raise ShardingError("shard_model: some parameters are on the meta device and some are not; build it on one")
+        filled = _buffers_to(model, device)
+        with record_init(device, model) as rec, torch.no_grad():
+            (init or _default_init)(model)
+        plain_parameters(model)
+        _check_recorded(model, rec)
+        return model, rec, filled
+    if init is not None:  # the model's own initialisation skipped (on the meta device), init(model) recorded
+        with parameters_to_meta():
+            model = _checked(build())
+        filled = _buffers_to(model, device)
+        with record_init(device, model) as rec, torch.no_grad():
+            init(model)
+        plain_parameters(model)
+        _check_recorded(model, rec)
+        return model, rec, filled
+    # the plain build's code, where it runs, under the caller's random stream
+    with torch.device(device), record_init(device) as rec:
+        model = _checked(build())
+    plain_parameters(model)
+    _check_recorded(model, rec)
+    return model, rec, []
+
+
+def _check_recorded(model: nn.Module, rec: InitRecording) -> None:
+    """Every parameter on the meta device is one the recording knows (not one a conversion such as
+    ``model.to(dtype)`` replaced by a new tensor)."""
+    unknown = [n for n, p in model.named_parameters() if p.device.type == "meta" and not rec.recorded(p)]
+    if unknown:
+        raise Unreplayable(f"{', '.join(unknown[:3])} were replaced by tensors made from them (a conversion)")
+
+
+def _rng_states(device: torch.device) -> list[tuple[torch.Generator, torch.Tensor]]:
+    gens = [torch.default_generator]
+    if device.type == "cuda":
+        gens.append(torch.cuda.default_generators[device.index])
+    return [(g, g.get_state()) for g in gens]
+
+
+def _raise_uninitialised(bad: list[str], how: str) -> None:
+    shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+    raise ShardingError(
+        f"shard_model: {how} left {len(bad)} tensor(s) of the meta-device model uninitialised: {shown}; "
+        "initialise every parameter and buffer in init=, or pass a function that builds the model "
+        "(shard_model(lambda: Model(...))), which builds it with its own initialisation"
+    )
 
 
 def shard_model(
@@ -176,6 +232,8 @@ def shard_model(
     init: Callable[[nn.Module], None] | None = None,
     device: torch.device | str | None = None,
     seed: int | None = None,
+    offload: bool = False,
+    empty: bool = False,
 ) -> nn.Module:
     """The model with ``fully_shard`` applied to each block and then to the root: each rank holds
     1/world of every parameter, gradient and (once the optimizer is built on ``model.parameters()``)
@@ -183,15 +241,21 @@ def shard_model(
 
     ``build``: a function that constructs the model, or a model already built (materialised, or
     with its parameters on the meta device). The same seed gives the same weights as a plain build,
-    in every shard mode and at every world size: without ``init``, ``build()`` runs on ``device``
-    (``with torch.device(device)``) under the caller's random stream, which it leaves where a plain
-    build would. Rank 0's weights are then broadcast and each rank keeps its shard (the whole copy
-    is freed): during the build every device holds one whole copy of the model. With ``init``
-    (``init(model)`` initialises it in place), ``build()`` runs with its parameters on the meta
-    device (buffers real), which are then made whole on ``device``, filled with NaN and given to
-    ``init``; a model passed on the meta device is made whole the same way, by ``init`` or else by
-    its ``reset_parameters()`` (the root's if it has one, else every submodule's). A parameter or
-    buffer still NaN after that raises ShardingError naming it.
+    in every shard mode and at every world size, and no rank ever holds the whole model: ``build()``
+    runs on ``device`` (``with torch.device(device)``) under the caller's random stream with its
+    parameters on the meta device, what initialises each parameter recorded (``deferred_init``)
+    and the stream advanced as a plain build advances it; the model is sharded on the meta device,
+    then each parameter is made whole on its own from rank 0's recorded random states and each rank
+    keeps its rows. With ``init`` (``init(model)`` initialises it in place), the model's own
+    initialisation is skipped (its parameters on the meta device) and ``init`` is what is recorded;
+    a model passed on the meta device is initialised the same way, by ``init`` or else by its
+    ``reset_parameters()`` (the root's if it has one, else every submodule's). A parameter or buffer
+    left uninitialised raises ShardingError naming it. An initialisation that cannot be replayed
+    one parameter at a time (one that computes a parameter from a temporary tensor derived from
+    another) falls back, with a warning, to building the model whole on ``device`` first.
+    A model passed materialised is broadcast from rank 0 and sharded (it is whole already).
+    ``empty=True``: the parameters are sharded without values (NaN), nothing drawn, for weights
+    read into the shards afterwards (a pretrained folder, a checkpoint).
     ``seed``: None, the caller's random stream; an int, ``torch.manual_seed(seed)`` first.
 
     ``blocks`` (modules of the model) or ``block_types`` (classes or class names) name the units
@@ -200,29 +264,89 @@ def shard_model(
     ``reduce_dtype``: FSDP2's mixed precision (compute and gradient reduce-scatter dtypes; the
     sharded master weights keep their dtype).
     ``reshard_after_forward``: free each block's gathered parameters after its forward (ZeRO-3; the
-    last block keeps them, as backward starts with it), or keep them until backward. ``device``:
-    default this rank's GPU, else the CPU. Tied parameters stay tied (FSDP2 keeps one shard for them).
+    last block keeps them, as backward starts with it), or keep them until backward. ``offload``:
+    the sharded parameters, their gradients and (built on them) the optimizer state on the host
+    (FSDP2's ``CPUOffloadPolicy``), copied to the device block by block. ``device``: default this
+    rank's GPU, else the CPU. Tied parameters stay tied (FSDP2 keeps one shard for them).
     """
     device = torch.device(device) if device is not None else _default_device()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if isinstance(build, nn.Module) and is_fully_sharded(build):
+        raise ShardingError("shard_model: the model is already sharded (fully_shard was applied); pass it unsharded")
+    if not isinstance(build, nn.Module) and not callable(build):
+        raise ShardingError(f"shard_model: build must be a function returning the model or a model, got {build!r}")
+    on_meta = isinstance(build, nn.Module) and any(p.device.type == "meta" for p in build.parameters())
+    if isinstance(build, nn.Module) and empty and not on_meta:
+        raise ShardingError("shard_model: empty=True needs a builder or a model on the meta device, not a built model")
     _ensure_group(device)
     if seed is not None:
         torch.manual_seed(seed)
-    model, filled = _build(build, init, device)
-    broadcast_module(model)  # the shards each rank keeps come from one model
-    # after the broadcast: every rank judges rank 0's values, and raises alike
-    if bad := _uninitialised(model, filled):
-        shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
-        how = "init(model)" if init is not None else f"{type(model).__name__}'s reset_parameters()"
-        raise ShardingError(
-            f"shard_model: {how} left {len(bad)} tensor(s) of the meta-device model uninitialised: {shown}; "
-            "initialise every parameter and buffer in init=, or pass a function that builds the model "
-            "(shard_model(lambda: Model(...))), which builds it whole with its own initialisation"
-        )
+    rec, filled = None, []
+    if empty:
+        if isinstance(build, nn.Module):
+            model = build
+        else:
+            with torch.device(device), parameters_to_meta():
+                model = _checked(build())
+        _buffers_to(model, device)
+    elif isinstance(build, nn.Module) and not on_meta:
+        model, filled = _build_whole(build, init, device)
+    else:
+        states = _rng_states(device)
+        try:
+            model, rec, filled = _record(build, init, device)
+        except (Unreplayable, NotImplementedError) as e:
+            if isinstance(build, nn.Module):
+                plain_parameters(build)
+            for g, s in states:  # the stream as the caller left it: the whole build draws it again
+                g.set_state(s)
+            name = type(build).__name__ if isinstance(build, nn.Module) else getattr(build, "__name__", "the model")
+            get_logger().warning(
+                f"shard_model: {name}'s initialisation cannot be replayed one parameter at a time ({e}); it is "
+                "built whole on the device instead, then sharded (one whole copy of the model on every device "
+                "while it is built): initialise each parameter in place, or pass init="
+            )
+            model, filled = _build_whole(build, init, device)
+    how = (
+        "init(model)"
+        if init is not None
+        else (f"{type(model).__name__}'s reset_parameters()" if on_meta else f"{type(model).__name__}'s construction")
+    )
+    if empty:
+        broadcast_tensors(list(model.buffers()))
+    elif rec is None:
+        broadcast_module(model)  # the shards each rank keeps come from one model
+        # after the broadcast: every rank judges rank 0's values, and raises alike
+        if bad := _uninitialised(model, filled):
+            _raise_uninitialised(bad, how)
+    else:
+        broadcast_tensors(list(model.buffers()))
+        rec.broadcast()  # every rank replays rank 0's draws
+    meta_params = dict(model.named_parameters())  # before sharding: the recorded tensors by name
+    _shard_units(model, blocks, block_types, device, param_dtype, reduce_dtype, reshard_after_forward, offload)
+    if rec is not None or empty:
+        bad_buffers = _uninitialised(model, filled)  # of a meta model: reported with the parameters
+        _fill_shards(model, meta_params, rec, device, offload, how, bad_buffers)
+    return model
+
+
+def _shard_units(
+    model: nn.Module,
+    blocks: Sequence[nn.Module] | None,
+    block_types: Iterable[type | str] | None,
+    device: torch.device,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    reshard_after_forward: bool,
+    offload: bool,
+) -> None:
+    """``fully_shard`` on each block, then on the root; with gloo, SUM reductions."""
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # pinned host memory for the copies to the GPU; there is none without one
+    offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     units = _blocks_of(model, blocks, block_types)
     if not units and world > 1:
         get_logger().warning(
@@ -233,10 +357,12 @@ def shard_model(
         # the last block's parameters stay gathered after its forward: backward starts with them
         # (torchtitan's default too: one all-gather less per step)
         keep = i == len(units) - 1
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward and not keep, mp_policy=policy)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward and not keep, mp_policy=policy,
+                    offload_policy=offload_policy)  # fmt: skip
     # the root last (embeddings, final norm, a tied output layer: the parameters outside the blocks);
     # FSDP2 keeps the root's gathered after forward, as backward needs them first
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                offload_policy=offload_policy)  # fmt: skip
     if dist.get_backend() == "gloo":
         # gloo's ReduceOp.AVG reduce-scatter has silently summed (pytorch/pytorch#162338, open; torch
         # 2.14 averaged in our tests): reduce with SUM and let FSDP2 divide by the world size itself,
@@ -247,7 +373,48 @@ def shard_model(
                     m.set_force_sum_reduction_for_comms(True)
         else:  # an older torch
             get_logger().warning("shard_model: this torch cannot force SUM reductions on gloo; its AVG is trusted")
-    return model
+
+
+@torch.no_grad()
+def _fill_shards(
+    model: nn.Module,
+    meta_params: dict[str, nn.Parameter],
+    rec: InitRecording | None,
+    device: torch.device,
+    offload: bool,
+    how: str,
+    bad_buffers: list[str],
+) -> None:
+    """The sharded parameters (on the meta device) given storage for this rank's shards only,
+    then each parameter made whole on its own (``rec``'s replay, else NaN) and this rank's rows
+    copied into its shard: one whole parameter in memory at a time."""
+    buffers = {n: b for n, b in model.named_buffers()}
+    model.to_empty(device="cpu" if offload else device)  # the shards only; FSDP2 re-pads them
+    for n, b in model.named_buffers():  # to_empty left garbage in the buffers: their values back
+        b.copy_(buffers[n])
+    bad = []
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if rec is None:
+            if local.is_floating_point():
+                local.fill_(float("nan"))  # a row no file gives shows up
+            continue
+        source = meta_params[name]
+        if source.device.type == "meta":
+            full, written = rec.materialise(source, device)
+        else:  # made with its values outside what the recording sees (kept whole until now)
+            full, written = source.detach().to(device), True
+        if isinstance(p, DTensor):  # this rank's rows, as FSDP2 cuts them: no communication
+            part = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        else:
+            part = full
+        local.copy_(part)
+        # every rank replays rank 0's draws: the whole tensor is the same on each, so they judge alike
+        if not written or ((full.is_floating_point() or full.is_complex()) and torch.isnan(full).any()):
+            bad.append(name)
+        del full, part
+    if bad or bad_buffers:
+        _raise_uninitialised(bad + bad_buffers, how)
 
 
 # ---- the step interface -------------------------------------------------------------------------

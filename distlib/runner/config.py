@@ -103,6 +103,15 @@ class DistConfig:
     comm_groups: int = 2  # communicators the buckets go to round-robin (their all_reduces overlap; 2: BENCHMARKS.md)
     compress: Literal["none", "bf16"] = "none"  # gradient compression for the all_reduce
     shard: Literal["none", "optimizer", "full"] = "none"  # optimizer: ZeRO-1; full: FSDP2 (docs/sharding.md)
+    # shard=full: the weight, gradient and optimizer-state shards on the host (FSDP2's CPUOffloadPolicy),
+    # each block's copied to the GPU for its forward and backward: for shards that do not fit the GPU
+    offload: bool = False
+    # shard=full: free each block's gathered weights after its forward (false: keep them until its
+    # backward, one all-gather less per step for a block's weights of memory each)
+    reshard_after_forward: bool = True
+    # shard=full with train.grad_accum > 1: unsharded (the micro-batches' full gradients add up, one
+    # reduce-scatter a step) or sharded (a reduce-scatter per micro-batch, only 1/N of the gradients held)
+    accumulate: Literal["unsharded", "sharded"] = "unsharded"
 
 
 @dataclass
@@ -144,6 +153,9 @@ class RunConfig:
     # where a periodic (background) save copies the GPU state first: spare GPU memory (training waits
     # milliseconds), page-locked host memory (the first save page-locks it), or auto: the GPU when it has room
     checkpoint_staging: Literal["auto", "device", "host"] = "auto"
+    # the run's last checkpoint: full (model, optimizer, schedule: a later run resumes from it),
+    # weights (the model alone, in <out_dir>/weights, which python -m distlib.runner.export reads), none
+    final_checkpoint: Literal["full", "weights", "none"] = "full"
     resume: bool = True  # continue from the newest checkpoint in out_dir
     progress: Literal["auto", "rich", "plain"] = "auto"  # auto: a live bar on a terminal, plain lines otherwise
     # curves.png of the metrics; auto: when matplotlib is installed ('distlib[plots]'), else a line says so
@@ -398,6 +410,11 @@ def _validate(cfg: Config, problems: list[str]) -> None:
 def _check_sharding(cfg: Config, problems: list[str]) -> None:
     """The settings dist.shard cannot run with (docs/sharding.md, "With the runner")."""
     shard, t, d = cfg.dist.shard, cfg.train, cfg.dist
+    if shard != "full":
+        defaults = {"offload": False, "reshard_after_forward": True, "accumulate": "unsharded"}
+        changed = [f"dist.{k}={str(getattr(d, k)).lower()}" for k, v in defaults.items() if getattr(d, k) != v]
+        problems.extend(f"{c} with dist.shard={shard}: it applies to full sharding only; set dist.shard=full or "
+                        "leave it out" for c in changed)  # fmt: skip
     if shard == "none":
         return
     if d.mode == "fallback":

@@ -496,3 +496,30 @@ def test_save_call_times_an_in_place_save_and_its_parts_on_the_cpu(shard):
     rows = [[float(c) for c in line.strip("|").split("|")] for line in lines[1:]]
     assert [r[0] for r in rows] == [1, 2]
     assert all(0 < r[1] <= r[2] for r in rows)  # the call returns before the save is committed
+
+
+# ---- bench.large_models --------------------------------------------------------------------------
+def test_large_models_runs_tiny_on_the_cpu():
+    """Both parts at tiny sizes on the CPU, the same code as on the GPU: each case built at its
+    simulated world size (fake process group) and stepped, the offload part with and without
+    offload; a row each and the table last."""
+    from bench import large_models
+
+    assert large_models.parse_args([]).cases == ["gpt-39.8B", "llama-70B"]
+    with pytest.raises(SystemExit):
+        large_models.parse_args(["--cases=gpt-1T"])
+    proc = subprocess.run([sys.executable, "-m", "bench.large_models", "--tiny"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [(r["part"], r.get("world"), r.get("offload")) for r in rows] == [
+        ("build", 8, None),
+        ("build", 64, None),
+        ("offload", None, False),
+        ("offload", None, True),
+    ]
+    for r in rows:
+        assert "error" not in r and r["step_s"] > 0, r
+    assert all(r["shards_gib"] <= r["whole_gib"] for r in rows[:2])
+    assert rows[2]["tokens_per_s"] > 0 and rows[3]["tokens_per_s"] > 0
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("| offload | gpt-2x64 |")

@@ -176,6 +176,8 @@ def _read_counted(ctx, root: str, out: str, folder_name: str) -> dict:
     from pathlib import Path
 
     from distlib.runner.models.hf_causal_lm import HFCausalLM
+    from distlib.runner.training.trainer import Trainer
+    from tests.library.test_sharded_build import peak_bytes
 
     opened, read, said = set(), [0], []
     real_preadv, real_load = os.preadv, HFCausalLM.load_pretrained
@@ -192,15 +194,24 @@ def _read_counted(ctx, root: str, out: str, folder_name: str) -> dict:
         said.append(real_load(self))
         return said[-1]
 
-    os.preadv, HFCausalLM.load_pretrained = preadv, load_pretrained
+    real_build = Trainer.build_model
+    peak = []
+
+    def build_model(self):  # the host memory the model's build and load allocate at their peak
+        model, top = peak_bytes(lambda: real_build(self))
+        peak.append(top)
+        return model
+
+    os.preadv, HFCausalLM.load_pretrained, Trainer.build_model = preadv, load_pretrained, build_model
     try:
         path = recipe(Path(root), out, {"pretrained": os.path.join(root, folder_name)})
         cfg = load_config(path, ["dist.shard=full", "train.epochs=1"])
         with built(cfg, ctx) as trainer:
             weights = whole(trainer.model)
+            held = sum(p.to_local().untyped_storage().nbytes() for p in trainer.model.parameters())
     finally:
-        os.preadv, HFCausalLM.load_pretrained = real_preadv, real_load
-    return {"read": read[0], "said": said, "opened": sorted(opened), "weights": weights}
+        os.preadv, HFCausalLM.load_pretrained, Trainer.build_model = real_preadv, real_load, real_build
+    return {"read": read[0], "said": said, "opened": sorted(opened), "weights": weights, "peak": peak[0], "held": held}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -210,9 +221,11 @@ def test_a_sharded_safetensors_folder_loads_under_full_sharding_each_rank_readin
     """save_pretrained with a small max_shard_size writes several files and an index; under
     dist.shard=full every rank reads its rows of every tensor only: what the ranks read sums to
     the folder's bytes, each rank about 1/world of them (torch.chunk's uneven rows), none the
-    whole; the weights are the folder's."""
+    whole; the weights are the folder's. The model is built on the meta device and sharded without
+    values: the host memory its build and load allocate peaks at its shards and a tensor's rows."""
     root, _ = folder
-    saved = save_tiny(root / "sharded", seed=1, max_shard_size="20KB")
+    # six layers: the blocks, not the embedding, make most of the model (as in any real one)
+    saved = save_tiny(root / "sharded", seed=1, max_shard_size="20KB", num_hidden_layers=6)
     names = os.listdir(root / "sharded")
     assert "model.safetensors.index.json" in names and sum(n.endswith(".safetensors") for n in names) >= 3
     total = sum(v.numel() * v.element_size() for k, v in saved.items() if k != "lm_head.weight")  # tied: once
@@ -223,6 +236,10 @@ def test_a_sharded_safetensors_folder_loads_under_full_sharding_each_rank_readin
     for r in reads:
         assert r < total / world_size * 1.1, (reads, total)
     assert all(g["opened"] for g in got)
+    largest = max(v.numel() * v.element_size() for v in saved.values())
+    for g in got:  # built on the meta device and read into the shards: never the whole model
+        assert g["peak"] <= g["held"] + 2 * largest + 16 * 1024, (g["peak"], g["held"], largest, total)
+        assert g["peak"] < total * 0.85, (g["peak"], total)
     for k, v in saved.items():
         torch.testing.assert_close(got[0]["weights"][f"hf.{k}"], v, rtol=0, atol=0, msg=k)
 

@@ -71,15 +71,18 @@ def _run_config(run_dir: str) -> Config:
 
 
 def _newest_checkpoint(run_dir: str) -> tuple[str, str]:
-    """("sharded" | "replicated", path) of the newest committed checkpoint of the run ("replicated": a one-file
-    checkpoint of an earlier version, only when there is no sharded one)."""
+    """("sharded" | "replicated", path) of the newest committed checkpoint of the run, in checkpoints/ or
+    weights/ (run.final_checkpoint=weights) ("replicated": a one-file checkpoint of an earlier version,
+    only when there is no sharded one)."""
     from distlib.checkpoint.checkpointer import Checkpointer
     from distlib.checkpoint.sharded import ShardedCheckpointer
 
     directory = os.path.join(run_dir, "checkpoints")
-    sharded = ShardedCheckpointer(directory).paths() if os.path.isdir(directory) else []
+    # run.final_checkpoint=weights writes the final model alone into weights/: the newest step wins
+    sharded = [p for d in (directory, os.path.join(run_dir, "weights")) if os.path.isdir(d)
+               for p in ShardedCheckpointer(d).paths()[:1]]  # fmt: skip
     if sharded:
-        return "sharded", sharded[0]
+        return "sharded", max(sharded, key=os.path.basename)
     replicated = Checkpointer(directory).paths()
     if replicated:
         return "replicated", replicated[0]

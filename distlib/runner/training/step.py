@@ -196,7 +196,7 @@ def build_step(
     whole = apply_block_settings(cfg, model)  # checkpointing and per-block compile, in place
     loss_fn = compiled_loss(cfg, loss_fn)
     if shard == "full":
-        sync = distlib.FSDPSync(model)
+        sync = distlib.FSDPSync(model, accumulate=cfg.dist.accumulate)
         # FSDP2's mixed precision (shard_model's param_dtype) replaces autocast: the weights are
         # gathered in bf16 and every layer computes in it; the loss is taken in fp32
         autocast = contextlib.nullcontext()

@@ -204,8 +204,11 @@ class Trainer:
         if cfg.dist.shard == "full":
             dtype = autocast_dtype(cfg.train.precision, device)  # bf16 on a GPU, None (fp32) on the CPU
             block_types = [cfg.model.block_class] if cfg.model.block_class else None  # else model.blocks
+            # a pretrained folder's weights are read into the shards: nothing to initialise first
+            empty = cfg.model.name == "hf_causal_lm" and bool(cfg.model.args.get("pretrained"))
             model = distlib.shard_model(build, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
-                                        device=device, block_types=block_types)  # fmt: skip
+                                        device=device, block_types=block_types, empty=empty, offload=cfg.dist.offload,
+                                        reshard_after_forward=cfg.dist.reshard_after_forward)  # fmt: skip
         else:
             with torch.device(device):  # where it runs: no copy on the host first
                 model = build().to(device)  # .to: a no-op, unless the model put a tensor on a device of its own
@@ -218,7 +221,9 @@ class Trainer:
     def build_optimizer(self, model: torch.nn.Module) -> OptimizerSpec:
         """train.optimizer over the model's parameters, weight decay on the matrices only; the
         step builds it (over this rank's slice with dist.shard=optimizer)."""
-        t, cuda = self.cfg.train, self.ctx.device.type == "cuda"
+        t = self.cfg.train
+        # with dist.offload the shards (and so the optimizer's state) are on the host
+        cuda = self.ctx.device.type == "cuda" and not self.cfg.dist.offload
         groups = param_groups(model, t.weight_decay)
         if t.optimizer == "adamw":
             # fused: one kernel for every parameter; capturable: its step counter stays on the
@@ -378,10 +383,13 @@ class Trainer:
         train_loss = distlib.all_reduce(s.loss_sum.clone(), op="mean").item() / steps if logs else 0.0
         if ends_epoch:
             s.epoch, s.step, s.train_s, s.epoch_s = epoch, 0, s.train_s + s.epoch_s, 0.0
-        final_save = final and budget.checkpoints(step)
+        final_save = final and budget.checkpoints(step) and self.cfg.run.final_checkpoint != "none"
         if final_save:
             self.sync_buffers()  # what the final evaluation sees is what the checkpoint holds
-            self.save_checkpoint(final=True)
+            if self.cfg.run.final_checkpoint == "weights":
+                self.save_weights()
+            else:
+                self.save_checkpoint(final=True)
         results = self.evaluate(final=final, synced=final_save) if evaluates else dict.fromkeys(self.task.metrics)
         row = None
         if logs:
@@ -464,6 +472,15 @@ class Trainer:
                               async_=background or final, in_place=final)  # fmt: skip
         if background and self.cfg.train.cuda_graph:  # the captured optimizer step runs no step pre-hook
             self.checkpoints.wait_staged()
+
+    def save_weights(self) -> None:
+        """The model alone (and its weight average), into ``<run>/weights/step<global step>/``
+        (run.final_checkpoint=weights): what ``python -m distlib.runner.export`` reads, without the
+        optimizer state (twice the weights with AdamW) that only a resume needs. A collective."""
+        from distlib.checkpoint.sharded import ShardedCheckpointer
+
+        objects = {"model": self.model, **({"ema": self.ema} if self.ema is not None else {})}
+        ShardedCheckpointer(os.path.join(self.run.path, "weights"), keep=1).save(self.global_step, objects)
 
     # ---- teardown ------------------------------------------------------------------------
 
