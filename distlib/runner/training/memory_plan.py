@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import distlib
+from distlib.errors import DistlibError
 from distlib.runner import components
 from distlib.runner.config import LM_DATA, Config, ConfigError, task_of
 from distlib.runner.models.parameters import param_groups
@@ -58,6 +60,10 @@ CHECKPOINTING = ("none", "full", "selective")
 # the compute dtype of each train.precision on a GPU (fp8: bf16 around the float8 matrix products)
 _COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None, "fp8": torch.bfloat16}
 PARTS = ("parameters", "gradients", "optimizer state", "gathered blocks", "activations")
+
+
+class MemoryRefused(DistlibError):
+    """A run whose step cannot fit its GPU, refused before anything is allocated: one line, with what fits."""
 
 
 class PlanError(ConfigError):
@@ -164,10 +170,6 @@ class MemoryPlan:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def gib(n: int) -> str:
-    return f"{n / GIB:.2f}"
 
 
 def size(n: int) -> str:
@@ -642,3 +644,35 @@ def device_bytes() -> int | None:
     if not torch.cuda.is_available():
         return None
     return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+
+
+def check_before_launch(cfg: Config) -> None:
+    """A run's memory plan at its start, before the process group: the recipe's own mode at the
+    launcher's world size (``WORLD_SIZE``), one line in rank 0's log. On a GPU, a step that cannot fit
+    it raises MemoryRefused on every rank (each computes the same plan, so all stop alike); on a CPU
+    the line is all. A recipe the plan does not measure, or a model that cannot run on fake tensors,
+    is said in that line and the run goes on."""
+    if cfg.dist.mode == "fallback":  # one process drives every GPU of its node: not one rank per GPU
+        return
+    log = distlib.get_logger()
+    main = os.environ.get("RANK", "0") == "0"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    gpu = device_bytes() if cfg.dist.backend != "gloo" else None
+    try:
+        result = plan(cfg, world, gpu_bytes=gpu, shards=(cfg.dist.shard,),
+                      checkpointing=(cfg.train.activation_checkpointing,), batches=False)  # fmt: skip
+        if result.fits() is False:  # what would fit instead: every mode, measured only now
+            result = plan(cfg, world, gpu_bytes=gpu, batches=False)
+    except PlanError as e:
+        if main:
+            log.info("memory plan: not made: %s", e.problems[0].removeprefix("memory plan: "))
+        return
+    except Exception as e:  # a model that does not run on fake tensors: the run itself is not in question
+        if main:
+            log.warning("memory plan: not made: the step did not run on fake tensors (%s: %s)", type(e).__name__,
+                        str(e).strip().splitlines()[0] if str(e).strip() else "")  # fmt: skip
+        return
+    if result.fits() is False:
+        raise MemoryRefused(result.verdict())
+    if main:
+        log.info("%s", result.verdict())
