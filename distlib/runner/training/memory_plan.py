@@ -86,7 +86,8 @@ class ModePlan:
     shard: str
     steps: dict[str, StepMemory]  # train.activation_checkpointing -> the step's peak
     logits_and_loss: int
-    staging: int
+    staging: int  # a copy of this rank's parameters and optimizer state
+    warm_up_copy: int  # a copy of this rank's parameters and buffers
     largest_batch: int | None = None  # per rank, at the recipe's checkpointing; None: not asked
 
 
@@ -101,15 +102,18 @@ class MemoryPlan:
     shard: str  # the recipe's
     checkpointing: str  # the recipe's
     staging: str  # run.checkpoint_staging
+    warm_up: bool  # the runner's warm-up steps (train.prewarm_steps on a GPU) run with a copy of the weights
     modes: dict[str, ModePlan] = field(default_factory=dict)
     gpu_bytes: int | None = None  # the device's memory; None: no fit asked
 
     def peak(self, shard: str | None = None, checkpointing: str | None = None) -> int:
-        """The peak of a step (the recipe's mode by default), with a device staging copy on top
-        when ``run.checkpoint_staging=device`` (``auto`` stages on the device only when it has room)."""
+        """The run's peak (the recipe's mode by default): a step's, with on top the larger of what
+        runs beside some steps: the warm-up's copy of the weights (its steps put them back after),
+        and a checkpoint's staging copy on the device with ``run.checkpoint_staging=device`` (``auto``
+        stages on the device only when it has room to spare; ``host`` never)."""
         mode = self.modes[shard or self.shard]
         step = mode.steps[checkpointing or self.checkpointing].peak
-        return step + (mode.staging if self.staging == "device" else 0)
+        return step + max(mode.warm_up_copy if self.warm_up else 0, mode.staging if self.staging == "device" else 0)
 
     def fits(self, shard: str | None = None, checkpointing: str | None = None) -> bool | None:
         return None if self.gpu_bytes is None else self.peak(shard, checkpointing) <= self.gpu_bytes
@@ -147,6 +151,8 @@ class MemoryPlan:
         for part in PARTS:
             rows.append((part, [cell(m.steps[self.checkpointing].parts.get(part, 0)) for m in self.modes.values()]))
         rows.append(("  of which logits and loss", [cell(m.logits_and_loss) for m in self.modes.values()]))
+        if self.warm_up:
+            rows.append(("warm-up copy of the weights", [cell(m.warm_up_copy) for m in self.modes.values()]))
         staged = {"device": "on the device", "host": "on the host", "auto": "device if room"}[self.staging]
         rows.append((f"checkpoint staging ({staged})", [cell(m.staging) for m in self.modes.values()]))
         for c in CHECKPOINTING:
@@ -192,6 +198,8 @@ class StepSpec:
     grad_accum: int
     clip: bool
     compiled_loss: bool
+    layers: int = 0  # the model's blocks, when it can be built with another number of them
+    build_layers: Callable[[int], nn.Module] | None = None  # the model with that many blocks
 
 
 def step_spec(cfg: Config) -> StepSpec:
@@ -216,12 +224,38 @@ def step_spec(cfg: Config) -> StepSpec:
     loss = components.resolve("loss", cfg.loss.name)
     kwargs = {**components.accepted(loss, {"label_smoothing": cfg.train.label_smoothing}), **cfg.loss.args}
     t = cfg.train
+    layers, build_layers = _layer_count(cfg, provided)
     return StepSpec(
+        layers=layers, build_layers=build_layers,
         build=lambda: components.build("model", cfg.model.name, cfg.model.args, provided=provided),
         block_class=cfg.model.block_class, vocab_size=vocab or 0, seq_len=seq_len,
         loss_fn=lambda out, y: loss(out, y, **kwargs), optimizer=t.optimizer, weight_decay=t.weight_decay,
         grad_accum=t.grad_accum, clip=t.clip_grad_norm > 0, compiled_loss=t.compile != "none",
     )  # fmt: skip
+
+
+def _layer_count(cfg: Config, provided: dict[str, Any]) -> tuple[int, Callable[[int], nn.Module] | None]:
+    """The number of blocks of a built-in model whose recipe sets it (gpt's ``n_layer``, a transformers
+    config's ``num_hidden_layers`` without per-layer lists), and how to build it with another number."""
+    args, name = cfg.model.args, cfg.model.name
+    if name == "gpt":
+        key, where = "n_layer", None
+        n = args.get(key, inspect.signature(components.resolve("model", name)).parameters[key].default)
+    elif name == "hf_causal_lm" and isinstance(args.get("config"), dict):
+        key, where = "num_hidden_layers", "config"
+        n = args["config"].get(key)
+        if any(isinstance(v, list) for v in args["config"].values()):  # per-layer settings (layer_types)
+            return 0, None
+    else:
+        return 0, None
+    if not isinstance(n, int):
+        return 0, None
+
+    def build(layers: int) -> nn.Module:
+        changed = {**args, where: {**args[where], key: layers}} if where else {**args, key: layers}
+        return components.build("model", name, changed, provided=provided)
+
+    return n, build
 
 
 # ---- the stand-ins -------------------------------------------------------------------------------
@@ -431,10 +465,12 @@ def measure_step(
     batch: int,
     checkpointing: str,
     precision: str,
+    layers: int | None = None,
 ) -> StepMemory:
     """One rank's peak over two training steps of ``batch`` sequences (the second's: the optimizer's
     state exists from the first step on), on fake tensors, under the fake process group of
-    ``world_size`` ranks that must be running (``fake_world``)."""
+    ``world_size`` ranks that must be running (``fake_world``). ``layers``: the model built with that
+    many blocks (``spec.build_layers``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -443,7 +479,7 @@ def measure_step(
     mesh = init_device_mesh("cpu", (world_size,)) if shard == "full" else None  # outside the fake mode
     ledger = Ledger()
     with FakeTensorMode(), torch.device("cpu"):
-        model = spec.build()
+        model = spec.build() if layers is None or spec.build_layers is None else spec.build_layers(layers)
         if not isinstance(model, nn.Module):
             raise PlanError([f"memory plan: the model's builder returned {type(model).__name__}, not an nn.Module"])
         if precision == "fp8":
@@ -537,8 +573,18 @@ def measure_loss(spec: StepSpec, batch: int, shard: str, precision: str) -> int:
     return ledger.peak
 
 
-def _state_bytes(step: StepMemory) -> int:
-    return step.parts.get("parameters", 0) + step.parts.get("optimizer state", 0)
+def step_memory(spec: StepSpec, **kwargs: Any) -> StepMemory:
+    """``measure_step``; for a model of more than 4 blocks that can be built with fewer, measured at 2
+    and at 3 blocks and extrapolated to its number: every block adds the same storages (its weights,
+    their gradient and optimizer state, its activations), and the peak comes at the same point of
+    the step (the loss, or the first blocks' backward), so the peak is linear in the blocks. The
+    fake step of a 48-block model takes tens of seconds on a CPU; two of 2 and 3 blocks, a few."""
+    n = spec.layers
+    if n <= 4 or spec.build_layers is None:
+        return measure_step(spec, **kwargs)
+    two, three = measure_step(spec, layers=2, **kwargs), measure_step(spec, layers=3, **kwargs)
+    parts = {k: two.parts[k] + (n - 2) * (three.parts[k] - two.parts[k]) for k in two.parts}
+    return StepMemory(peak=two.peak + (n - 2) * (three.peak - two.peak), parts=parts)
 
 
 def largest_batch(micro: int, peak: int, peak_doubled: int, limit: int) -> int:
@@ -559,10 +605,12 @@ def plan(
     checkpointing: tuple[str, ...] = CHECKPOINTING,
     batches: bool = True,
     precision: str | None = None,
+    warm_up: bool = True,
 ) -> MemoryPlan:
     """The memory plan of ``cfg`` at ``world_size`` ranks: each of ``shards`` at each of
     ``checkpointing``, the largest batch per rank (``batches``, with ``gpu_bytes``) at the recipe's
     checkpointing. ``precision``: in place of train.precision (``"fp8"``: float8 matrix products).
+    ``warm_up``: the run warms up (on a GPU; train.prewarm_steps).
     Starts and ends a fake process group: call it before ``distlib.init()``."""
     precision = precision or cfg.train.precision
     if precision not in _COMPUTE:
@@ -578,21 +626,23 @@ def plan(
     own = cfg.train.activation_checkpointing
     result = MemoryPlan(world_size=world_size, batch=batch, seq_len=spec.seq_len, precision=precision,
                         shard=cfg.dist.shard, checkpointing=own, staging=cfg.run.checkpoint_staging,
-                        gpu_bytes=gpu_bytes)  # fmt: skip
+                        warm_up=warm_up and cfg.train.prewarm_steps > 0, gpu_bytes=gpu_bytes)  # fmt: skip
     with fake_world(world_size):
         for shard in shards:
-            steps = {c: measure_step(spec, shard=shard, world_size=world_size, batch=batch, checkpointing=c,
+            steps = {c: step_memory(spec, shard=shard, world_size=world_size, batch=batch, checkpointing=c,
                                      precision=precision) for c in dict.fromkeys((*checkpointing, own))}  # fmt: skip
+            parts = steps[own].parts
             mode = ModePlan(shard, steps, logits_and_loss=measure_loss(spec, batch, shard, precision),
-                            staging=_state_bytes(steps[own]))  # fmt: skip
+                            staging=parts["parameters"] + parts["optimizer state"],
+                            warm_up_copy=parts["parameters"])  # fmt: skip
+            result.modes[shard] = mode
             if batches and gpu_bytes is not None:
-                room = gpu_bytes - (mode.staging if result.staging == "device" else 0)
+                room = gpu_bytes - (result.peak(shard, own) - steps[own].peak)  # what runs beside the steps
 
-                doubled = measure_step(spec, shard=shard, world_size=world_size, batch=2 * batch,
+                doubled = step_memory(spec, shard=shard, world_size=world_size, batch=2 * batch,
                                        checkpointing=own, precision=precision)  # fmt: skip
                 micro = batch // spec.grad_accum
                 mode.largest_batch = largest_batch(micro, steps[own].peak, doubled.peak, room) * spec.grad_accum
-            result.modes[shard] = mode
     return result
 
 
@@ -659,10 +709,11 @@ def check_before_launch(cfg: Config) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     gpu = device_bytes() if cfg.dist.backend != "gloo" else None
     try:
-        result = plan(cfg, world, gpu_bytes=gpu, shards=(cfg.dist.shard,),
+        on_gpu = torch.cuda.is_available() and cfg.dist.backend != "gloo"
+        result = plan(cfg, world, gpu_bytes=gpu, shards=(cfg.dist.shard,), warm_up=on_gpu,
                       checkpointing=(cfg.train.activation_checkpointing,), batches=False)  # fmt: skip
         if result.fits() is False:  # what would fit instead: every mode, measured only now
-            result = plan(cfg, world, gpu_bytes=gpu, batches=False)
+            result = plan(cfg, world, gpu_bytes=gpu, batches=False, warm_up=on_gpu)
     except PlanError as e:
         if main:
             log.info("memory plan: not made: %s", e.problems[0].removeprefix("memory plan: "))
