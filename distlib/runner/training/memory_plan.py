@@ -664,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", choices=sorted(_COMPUTE), default=None,
                    help="in place of train.precision (fp8: float8 matrix products)")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # options anywhere among the overrides
     try:
         if args.nproc < 1:
             raise PlanError([f"--nproc: must be >= 1, got {args.nproc}"])
