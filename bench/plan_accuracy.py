@@ -73,7 +73,7 @@ def config_of(model: str, world: int, shard: str, ac: str, compile_: bool) -> tu
     recipe, overrides, per_rank = MODELS[model]
     cfg = load_config(recipe, [*overrides, f"train.batch_size={per_rank * world}", f"dist.shard={shard}",
                                f"train.activation_checkpointing={ac}", f"train.compile={str(compile_).lower()}",
-                               "run.checkpoint_staging=host"])  # fmt: skip
+                               "run.checkpoint_staging=host", "train.prewarm_steps=1"])  # fmt: skip
     return cfg, per_rank
 
 

@@ -1,0 +1,132 @@
+"""The memory plan (distlib/runner/training/memory_plan.py, docs/memory_plan.md): its peak against the
+CPU allocator's for the runner's own step, its parts, the command line, and the verdict and refusal
+at launch."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from distlib.runner.config import load_config
+from distlib.runner.training import memory_plan
+from distlib.runner.training.memory_plan import fake_world, measure_step, plan, step_memory, step_spec
+from tests.conftest import ROOT
+
+
+@pytest.fixture(autouse=True)
+def _in_root(monkeypatch, world_size_1):
+    monkeypatch.chdir(ROOT)  # the recipes' relative paths
+
+
+def _tiny(*overrides: str):
+    return load_config("recipes/gpt_demo.yaml", ["train.batch_size=16", *overrides])
+
+
+@pytest.mark.parametrize(
+    ("shard", "tolerance"),
+    # replicated and ZeRO-1: the same storages as the runner's step, to the byte but for small
+    # temporaries; full: FSDP2's own buffers on the CPU differ from the plan's by a few percent
+    [("none", 0.01), ("optimizer", 0.01), ("full", 0.10)],
+)
+def test_the_plan_is_the_cpu_allocators_peak_of_the_runners_step_at_two_fake_ranks(shard, tolerance):
+    """The runner's model and step (GradSync's flat buckets, the sharded optimizer, shard_model) built
+    and run for real under a fake process group of 2 ranks, its allocations recorded by torch's
+    profiler (bench/plan_accuracy.py --tiny): the plan's peak, a 6-block GPT extrapolated from 2 and 3."""
+    from bench import plan_accuracy
+
+    cfg, per_rank = plan_accuracy.config_of("gpt-tiny", 2, shard, "none", False)
+    planned = plan(cfg, 2, shards=(shard,), checkpointing=("none",), batches=False, warm_up=False).peak()
+    measured = plan_accuracy.measure(cfg, 2, per_rank, torch.device("cpu"))["step"]
+    assert abs(planned / measured - 1) < tolerance, (planned, measured)
+
+
+def test_blocks_extrapolate_exactly_and_the_parts_follow_the_shard_mode():
+    cfg = _tiny("model.args.n_layer=6")
+    spec = step_spec(cfg)
+    assert spec.layers == 6
+    with fake_world(4):
+        kw = dict(world_size=4, batch=4, checkpointing="none", precision="fp32")
+        step = {s: measure_step(spec, shard=s, **kw) for s in ("none", "optimizer", "full")}
+        assert step_memory(spec, shard="full", **kw) == step["full"]  # 2 and 3 blocks, extrapolated to 6
+    params = sum(p.numel() * 4 for p in spec.build().parameters())
+    none, zero1, full = step["none"].parts, step["optimizer"].parts, step["full"].parts
+    assert none["parameters"] == zero1["parameters"] == params
+    assert none["gradients"] == params  # GradSync's flat buckets, kept between steps at world size > 1
+    assert none["optimizer state"] == pytest.approx(2 * params, rel=0.01)  # AdamW: two moments
+    assert zero1["optimizer state"] == pytest.approx(2 * params / 4, rel=0.01)
+    assert full["parameters"] == pytest.approx(params / 4, rel=0.01)
+    assert full["gathered blocks"] > 0 and none["gathered blocks"] == 0
+
+
+def test_checkpointing_and_float8_keep_less_for_backward():
+    """Activation checkpointing and float8 matrix products (float8 copies of every Linear's input and
+    weight kept for backward; the output layer in bf16) lower the activations, not the weights."""
+    cfg = _tiny("model.args.n_embd=128", "train.precision=bf16")
+    spec = step_spec(cfg)
+    with fake_world(1):
+        kw = dict(shard="none", world_size=1, batch=16)
+        bf16 = measure_step(spec, checkpointing="none", precision="bf16", **kw)
+        fp8 = measure_step(spec, checkpointing="none", precision="fp8", **kw)
+        full = measure_step(spec, checkpointing="full", precision="bf16", **kw)
+    assert fp8.parts["parameters"] == bf16.parts["parameters"]
+    assert fp8.parts["activations"] < 0.9 * bf16.parts["activations"]
+    assert full.parts["activations"] < 0.7 * bf16.parts["activations"]
+
+
+def test_the_command_prints_every_mode_the_fit_and_the_largest_batch(capsys):
+    code = memory_plan.main(["recipes/gpt_demo.yaml", "--nproc", "2", "--gpu-gib", "0.01"])
+    out = capsys.readouterr().out
+    assert code == 0
+    lines = out.splitlines()
+    assert "shard=none" in lines[1] and "shard=optimizer" in lines[1] and "shard=full" in lines[1]
+    for row in ("parameters", "gradients", "optimizer state", "gathered blocks", "activations", "of which logits and loss",
+                "checkpoint staging", "peak, checkpointing none", "peak, checkpointing full",
+                "peak, checkpointing selective", "fits 10.2 MiB", "largest batch per rank"):  # fmt: skip
+        assert any(line.lstrip().startswith(row) for line in lines), row
+    largest = next(line for line in lines if line.startswith("largest batch")).split()[-3:]
+    assert all(int(b) > 0 for b in largest)
+    assert lines[-1].startswith("memory plan: ") and "(2 rank(s), 16 x 64 tokens per rank" in lines[-1]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["recipes/gpt_demo.yaml", "--nproc", "3"], "train.batch_size=32 must divide evenly over 3 ranks"),
+        (["recipes/demo.yaml"], "train.task=classification: only language-model recipes are planned"),
+        (["recipes/gpt_demo.yaml", "train.batch_size=-1"], "train.batch_size: must be > 0"),
+    ],
+)
+def test_the_command_refuses_what_it_cannot_plan_in_one_line(args, message, capsys):
+    assert memory_plan.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err
+
+
+def test_launch_refuses_a_run_that_cannot_fit_the_gpu_before_anything_starts(monkeypatch, tmp_path, capfd):
+    """A GPU of 1 MiB: exit 2, the verdict and what would fit instead, no process group started and
+    no run directory written."""
+    import launch
+
+    monkeypatch.setattr(memory_plan, "device_bytes", lambda: 2**20)
+    out_dir = tmp_path / "run"
+    code = launch.main(["recipes/gpt_demo.yaml", f"run.out_dir={out_dir}"])
+    err = capfd.readouterr().err
+    assert code == 2
+    line = next(e for e in err.splitlines() if e.startswith("error: "))
+    assert "error: memory plan: " in line and "does not fit the device's 1.0 MiB" in line, err
+    assert "no dist.shard or checkpointing mode fits" in line or "would (" in line
+    assert not torch.distributed.is_initialized() and not os.path.exists(out_dir)
+
+
+def test_launch_logs_the_verdict_on_rank_0_only(monkeypatch, capfd):
+    cfg = _tiny()
+    memory_plan.check_before_launch(cfg)
+    assert "memory plan: " in capfd.readouterr().err
+    monkeypatch.setenv("RANK", "1")
+    memory_plan.check_before_launch(cfg)
+    assert "memory plan" not in capfd.readouterr().err
+    monkeypatch.setenv("RANK", "0")
+    memory_plan.check_before_launch(load_config("recipes/demo.yaml"))  # not a language model: said, and on
+    assert "memory plan: not made: train.task=classification" in capfd.readouterr().err
