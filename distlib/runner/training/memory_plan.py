@@ -382,6 +382,21 @@ class Ledger(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None:
                 self._count(st, part)
 
+    def refresh(self, tensors: Any) -> None:
+        """Take the current size of ``tensors``' storages, which were resized in place (FSDP2 frees
+        and reallocates its gathered parameters by resizing their storage, no operation sees it)."""
+        for t in tensors:
+            st = _storage(t)
+            entry = self._seen.get(id(st)) if st is not None else None
+            if entry is None:
+                continue
+            n = st.nbytes()
+            self.live[entry[0]] += n - entry[1]
+            entry[1] = n
+            total = sum(self.live.values())
+            if total > self.peak:
+                self.peak, self.at_peak = total, dict(self.live)
+
     def reset_peak(self) -> None:
         self.peak, self.at_peak = sum(self.live.values()), dict(self.live)
 
@@ -433,12 +448,15 @@ def _fsdp_parts(ledger: Ledger) -> Iterator[None]:
     except ImportError:
         yield
         return
-    saved = {name: getattr(FSDPParamGroup, name, None) for name in ("unshard", "wait_for_unshard", "post_backward")}
+    names = ("unshard", "wait_for_unshard", "reshard", "post_backward")
+    saved = {name: getattr(FSDPParamGroup, name, None) for name in names}
 
     def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(group: Any, *args: Any, **kwargs: Any) -> Any:
             with ledger.part("gathered blocks"):
                 out = fn(group, *args, **kwargs)
+            # the gathered parameters' storages, allocated or freed in place
+            ledger.refresh([t for p in getattr(group, "fsdp_params", ()) for t in getattr(p, "all_gather_outputs", ())])
             if name == "post_backward":
                 ledger.hold([p.sharded_param.grad for p in getattr(group, "fsdp_params", ())
                              if p.sharded_param.grad is not None], "gradients")  # fmt: skip
