@@ -605,13 +605,23 @@ def step_memory(spec: StepSpec, **kwargs: Any) -> StepMemory:
     return StepMemory(peak=two.peak + (n - 2) * (three.peak - two.peak), parts=parts)
 
 
-def largest_batch(micro: int, peak: int, peak_doubled: int, limit: int) -> int:
-    """The largest micro-batch whose peak is at most ``limit`` bytes, from the peaks at ``micro`` and
-    ``2 * micro`` sequences: activations grow linearly with the batch, and nothing else does."""
-    slope = (peak_doubled - peak) / micro
-    if slope <= 0:
-        return 0
-    return max(0, micro + math.floor((limit - peak) / slope))
+def largest_batch(measure: Callable[[int], int], micro: int, peak: int, limit: int) -> int:
+    """The largest micro-batch whose peak (``measure(batch)`` bytes; ``peak`` at ``micro``) is at most
+    ``limit``. Past the point where the activations set the peak (a small batch may peak at the
+    optimizer's step, which the batch does not change), the peak grows linearly with the batch: the
+    batch is multiplied by 4 until the peak grows (at most 3 times), and the line through the last two
+    measurements gives the answer."""
+    lo, p_lo = micro, peak
+    hi = 2 * micro
+    for _ in range(4):
+        p_hi = measure(hi)
+        if p_hi > limit or p_hi - p_lo > 0.02 * p_lo:
+            break
+        lo, p_lo, hi = hi, p_hi, hi * 4
+    slope = (p_hi - p_lo) / (hi - lo)
+    if slope <= 0:  # not even the largest batch tried changes the peak
+        return hi if p_hi <= limit else 0
+    return max(0, lo + math.floor((limit - p_lo) / slope))
 
 
 def plan(
@@ -657,10 +667,12 @@ def plan(
             if batches and gpu_bytes is not None:
                 room = gpu_bytes - (result.peak(shard, own) - steps[own].peak)  # what runs beside the steps
 
-                doubled = step_memory(spec, shard=shard, world_size=world_size, batch=2 * batch,
-                                       checkpointing=own, precision=precision)  # fmt: skip
+                def peak_at(micro: int, shard: str = shard) -> int:
+                    return step_memory(spec, shard=shard, world_size=world_size, batch=micro * spec.grad_accum,
+                                       checkpointing=own, precision=precision).peak  # fmt: skip
+
                 micro = batch // spec.grad_accum
-                mode.largest_batch = largest_batch(micro, steps[own].peak, doubled.peak, room) * spec.grad_accum
+                mode.largest_batch = largest_batch(peak_at, micro, steps[own].peak, room) * spec.grad_accum
     return result
 
 
