@@ -130,3 +130,18 @@ def test_launch_logs_the_verdict_on_rank_0_only(monkeypatch, capfd):
     monkeypatch.setenv("RANK", "0")
     memory_plan.check_before_launch(load_config("recipes/demo.yaml"))  # not a language model: said, and on
     assert "memory plan: not made: train.task=classification" in capfd.readouterr().err
+
+
+def test_the_accuracy_benchmark_tables_plan_against_measured_on_the_cpu(tmp_path, capsys):
+    """bench/plan_accuracy.py --tiny: one case, its JSON row and the table (the GPU run's command)."""
+    import json
+
+    from bench import plan_accuracy
+
+    out = tmp_path / "rows.jsonl"
+    assert plan_accuracy.main(["--tiny", "--case", "gpt-tiny:1:none:full", "--json", str(out)]) == 0
+    row = json.loads(out.read_text().splitlines()[0])
+    assert row["world"] == 1 and row["ac"] == "full" and 0.95 < row["plan_over_measured"] < 1.05
+    table = capsys.readouterr().out.strip().splitlines()
+    assert table[-3].startswith("| model | ranks | dist.shard | checkpointing")
+    assert table[-1].startswith("| gpt-tiny | 1 | none | full |")
