@@ -31,6 +31,7 @@ def main(argv: list[str], timeline: Timeline | None = None) -> int:
     try:
         cfg = load_config(args.recipe, args.overrides)
         check_before_launch(cfg)  # before anything is allocated: a step that cannot fit the GPU stops here
+        timeline.mark("memory_plan")
         gpus = gpus_per_process(cfg.dist.mode)
         trainer = Trainer(cfg, distlib.init(cfg.dist.backend, cfg.dist.timeout_s, gpus_per_process=gpus), timeline)
         trainer.build()

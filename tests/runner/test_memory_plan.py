@@ -109,7 +109,7 @@ def test_launch_refuses_a_run_that_cannot_fit_the_gpu_before_anything_starts(mon
     no run directory written."""
     import launch
 
-    monkeypatch.setattr(memory_plan, "device_bytes", lambda: 2**20)
+    monkeypatch.setattr(memory_plan, "device_bytes", lambda index=None: 2**20)
     out_dir = tmp_path / "run"
     code = launch.main(["recipes/gpt_demo.yaml", f"run.out_dir={out_dir}"])
     err = capfd.readouterr().err

@@ -719,11 +719,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def device_bytes() -> int | None:
-    """This process's GPU's memory in bytes (the smallest of the visible ones); None without a GPU."""
+def device_bytes(index: int | None = None) -> int | None:
+    """GPU ``index``'s memory in bytes (None: the smallest of the visible GPUs); None without a GPU.
+    Reads the device's properties only: no CUDA context is made."""
     if not torch.cuda.is_available():
         return None
-    return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    indices = range(torch.cuda.device_count()) if index is None else [index % torch.cuda.device_count()]
+    return min(torch.cuda.get_device_properties(i).total_memory for i in indices)
 
 
 def check_before_launch(cfg: Config) -> None:
@@ -737,7 +739,7 @@ def check_before_launch(cfg: Config) -> None:
     log = distlib.get_logger()
     main = os.environ.get("RANK", "0") == "0"
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    gpu = device_bytes() if cfg.dist.backend != "gloo" else None
+    gpu = device_bytes(int(os.environ.get("LOCAL_RANK", "0"))) if cfg.dist.backend != "gloo" else None
     try:
         on_gpu = torch.cuda.is_available() and cfg.dist.backend != "gloo"
         result = plan(cfg, world, gpu_bytes=gpu, shards=(cfg.dist.shard,), warm_up=on_gpu,
