@@ -655,7 +655,8 @@ def plan(
     result = MemoryPlan(world_size=world_size, batch=batch, seq_len=spec.seq_len, precision=precision,
                         shard=cfg.dist.shard, checkpointing=own, staging=cfg.run.checkpoint_staging,
                         warm_up=warm_up and cfg.train.prewarm_steps > 0, gpu_bytes=gpu_bytes)  # fmt: skip
-    with fake_world(world_size):
+    # only FSDP2 needs a process group (a fake one; none and optimizer stand in for GradSync's)
+    with fake_world(world_size) if "full" in shards else contextlib.nullcontext():
         for shard in shards:
             steps = {c: step_memory(spec, shard=shard, world_size=world_size, batch=batch, checkpointing=c,
                                      precision=precision) for c in dict.fromkeys((*checkpointing, own))}  # fmt: skip
@@ -740,22 +741,46 @@ def check_before_launch(cfg: Config) -> None:
     main = os.environ.get("RANK", "0") == "0"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     gpu = device_bytes(int(os.environ.get("LOCAL_RANK", "0"))) if cfg.dist.backend != "gloo" else None
-    try:
-        on_gpu = torch.cuda.is_available() and cfg.dist.backend != "gloo"
-        result = plan(cfg, world, gpu_bytes=gpu, shards=(cfg.dist.shard,), warm_up=on_gpu,
-                      checkpointing=(cfg.train.activation_checkpointing,), batches=False)  # fmt: skip
-        if result.fits() is False:  # what would fit instead: every mode, measured only now
-            result = plan(cfg, world, gpu_bytes=gpu, batches=False, warm_up=on_gpu)
-    except PlanError as e:
+    on_gpu = torch.cuda.is_available() and cfg.dist.backend != "gloo"
+    own = dict(shards=(cfg.dist.shard,), checkpointing=(cfg.train.activation_checkpointing,))
+    # FSDP2 runs under a fake process group: in a process of its own, since a process group and its
+    # device meshes leave state behind them (a later sharded checkpoint of the real group was wrong)
+    measure = _plan_in_child if cfg.dist.shard == "full" else _plan_here
+    outcome, result = measure(cfg, world, gpu, on_gpu, own)
+    if outcome == "ok" and result.fits() is False:  # what would fit instead: every mode, measured only now
+        outcome, result = _plan_in_child(cfg, world, gpu, on_gpu, {})
+    if outcome == "not planned":
         if main:
-            log.info("memory plan: not made: %s", e.problems[0].removeprefix("memory plan: "))
+            log.info("memory plan: not made: %s", result.removeprefix("memory plan: "))
         return
-    except Exception as e:  # a model that does not run on fake tensors: the run itself is not in question
+    if outcome == "failed":  # a model that does not run on fake tensors: the run itself is not in question
         if main:
-            log.warning("memory plan: not made: the step did not run on fake tensors (%s: %s)", type(e).__name__,
-                        str(e).strip().splitlines()[0] if str(e).strip() else "")  # fmt: skip
+            log.warning("memory plan: not made: the step did not run on fake tensors (%s)", result)
         return
     if result.fits() is False:
         raise MemoryRefused(result.verdict())
     if main:
         log.info("%s", result.verdict())
+
+
+def _plan_here(cfg: Config, world: int, gpu: int | None, on_gpu: bool, modes: dict[str, Any]) -> tuple[str, Any]:
+    """``plan`` as an outcome: ("ok", the plan), ("not planned", why) or ("failed", the error in a line)."""
+    try:
+        return "ok", plan(cfg, world, gpu_bytes=gpu, batches=False, warm_up=on_gpu, **modes)
+    except PlanError as e:
+        return "not planned", e.problems[0]
+    except Exception as e:
+        text = str(e).strip()
+        return "failed", f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _plan_in_child(cfg: Config, world: int, gpu: int | None, on_gpu: bool, modes: dict[str, Any]) -> tuple[str, Any]:
+    """``_plan_here`` in a fresh process (spawned: nothing of this one's state in it)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(_plan_here, cfg, world, gpu, on_gpu, modes).result()
+        except Exception as e:  # the child died (out of host memory): say so, the run goes on
+            return "failed", f"{type(e).__name__}: {e}"
