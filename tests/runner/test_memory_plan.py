@@ -145,3 +145,23 @@ def test_the_accuracy_benchmark_tables_plan_against_measured_on_the_cpu(tmp_path
     table = capsys.readouterr().out.strip().splitlines()
     assert table[-3].startswith("| model | ranks | dist.shard | checkpointing")
     assert table[-1].startswith("| gpt-tiny | 1 | none | full |")
+
+
+@pytest.mark.slow
+def test_a_fully_sharded_run_planned_at_launch_saves_and_resumes_its_checkpoints(tmp_path):
+    """Two torchrun ranks of the GPT demo with dist.shard=full: the plan (FSDP2 under a fake process
+    group, in a process of its own) leaves nothing behind that the real group's run trips on; its
+    sharded checkpoint is written whole and resumed (planned in this process, the fake group's
+    meshes made the final save's shards overlap: DCP refused it)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "launch.py",
+           "recipes/gpt_demo.yaml", "dist.shard=full", "train.max_steps=2", f"run.out_dir={out}"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    for extra in ([], ["train.max_steps=3"]):  # the second run resumes from the first's final checkpoint
+        proc = subprocess.run(cmd + extra, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stderr.count("INFO memory plan: ") == 1, proc.stderr[-3000:]  # rank 0 alone
+    assert "resumed" in proc.stderr.lower() or "step000000002" in proc.stderr, proc.stderr[-3000:]
