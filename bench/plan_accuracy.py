@@ -116,7 +116,8 @@ def measure(cfg, world: int, per_rank: int, device) -> dict:  # noqa: ANN001
             dtype = autocast_dtype(t.precision, device)
             blocks = [cfg.model.block_class] if cfg.model.block_class else None
             model = distlib.shard_model(spec.build, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
-                                        device=device, block_types=blocks)  # fmt: skip
+                                        device=device, block_types=blocks, offload=cfg.dist.offload,
+                                        reshard_after_forward=cfg.dist.reshard_after_forward)  # fmt: skip
         else:
             with torch.device(device):
                 model = spec.build().to(device)
@@ -125,7 +126,8 @@ def measure(cfg, world: int, per_rank: int, device) -> dict:  # noqa: ANN001
             out["build"] = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         opt = OptimizerSpec(torch.optim.AdamW, param_groups(model, t.weight_decay),
-                            dict(lr=t.lr, betas=(t.beta1, t.beta2), fused=True if cuda else None))  # fmt: skip
+                            dict(lr=t.lr, betas=(t.beta1, t.beta2),
+                                 fused=True if cuda and not cfg.dist.offload else None))  # fmt: skip
         step = build_step(cfg, ctx, model, opt, per_rank, loss_fn=spec.loss_fn)
         vocab = spec.vocab_size or 256
         x = torch.randint(0, vocab, (per_rank, spec.seq_len), device=device)

@@ -165,3 +165,14 @@ def test_a_fully_sharded_run_planned_at_launch_saves_and_resumes_its_checkpoints
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stderr.count("INFO memory plan: ") == 1, proc.stderr[-3000:]  # rank 0 alone
     assert "resumed" in proc.stderr.lower() or "step000000002" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_offload_keeps_the_shards_off_the_device_and_reshard_after_forward_false_keeps_blocks_gathered():
+    kw = dict(shards=("full",), checkpointing=("none",), batches=False)
+    base = plan(_tiny("model.args.n_layer=4", "dist.shard=full"), 2, **kw).modes["full"]
+    off = plan(_tiny("model.args.n_layer=4", "dist.shard=full", "dist.offload=true"), 2, **kw).modes["full"]
+    kept = plan(_tiny("model.args.n_layer=4", "dist.shard=full", "dist.reshard_after_forward=false"), 2,
+                **kw).modes["full"]  # fmt: skip
+    assert all(off.steps["none"].parts[p] == 0 for p in ("parameters", "gradients", "optimizer state"))
+    assert off.steps["none"].peak < base.steps["none"].peak and off.warm_up_copy == off.staging == 0
+    assert kept.steps["none"].parts["gathered blocks"] > base.steps["none"].parts["gathered blocks"]

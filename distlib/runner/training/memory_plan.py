@@ -198,6 +198,9 @@ class StepSpec:
     grad_accum: int
     clip: bool
     compiled_loss: bool
+    reshard_after_forward: bool = True  # dist.reshard_after_forward (shard=full)
+    accumulate: str = "unsharded"  # dist.accumulate (shard=full, grad_accum > 1)
+    offload: bool = False  # dist.offload (shard=full): the shards and the optimizer's state on the host
     layers: int = 0  # the model's blocks, when it can be built with another number of them
     build_layers: Callable[[int], nn.Module] | None = None  # the model with that many blocks
 
@@ -231,6 +234,8 @@ def step_spec(cfg: Config) -> StepSpec:
         block_class=cfg.model.block_class, vocab_size=vocab or 0, seq_len=seq_len,
         loss_fn=lambda out, y: loss(out, y, **kwargs), optimizer=t.optimizer, weight_decay=t.weight_decay,
         grad_accum=t.grad_accum, clip=t.clip_grad_norm > 0, compiled_loss=t.compile != "none",
+        reshard_after_forward=cfg.dist.reshard_after_forward, accumulate=cfg.dist.accumulate,
+        offload=cfg.dist.offload,
     )  # fmt: skip
 
 
@@ -505,9 +510,10 @@ def measure_step(
         blocks = distlib.find_blocks(model, spec.block_class or None)
         if shard == "full":  # as shard_model: each block, the last kept gathered after forward, then the root
             policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+            again = spec.reshard_after_forward
             for i, block in enumerate(blocks):
-                fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1, mp_policy=policy)
-            fully_shard(model, mesh=mesh, mp_policy=policy)
+                fully_shard(block, mesh=mesh, reshard_after_forward=again and i < len(blocks) - 1, mp_policy=policy)
+            fully_shard(model, mesh=mesh, reshard_after_forward=again, mp_policy=policy)
         if checkpointing != "none":
             if not blocks:
                 raise PlanError([f"memory plan: train.activation_checkpointing={checkpointing}: the model has no "
@@ -555,8 +561,8 @@ def measure_step(
         autocast = _autocast(dtype) if shard != "full" else contextlib.nullcontext()
         with _fsdp_parts(ledger) if shard == "full" else contextlib.nullcontext(), ledger:
             for k in range(spec.grad_accum):
-                if shard == "full":
-                    model.set_requires_gradient_sync(k == spec.grad_accum - 1)
+                if shard == "full":  # FSDPSync: no reduce-scatter before the last micro-batch, unless sharded
+                    model.set_requires_gradient_sync(k == spec.grad_accum - 1 or spec.accumulate == "sharded")
                 with autocast:
                     out = model(x)
                     if shard == "full" and out.dtype != torch.float32:
@@ -569,7 +575,15 @@ def measure_step(
                 torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
             with ledger.part("optimizer state"):
                 step_optimizer()
-    return StepMemory(peak=ledger.peak, parts=dict(ledger.at_peak))
+    parts = dict(ledger.at_peak)
+    peak = ledger.peak
+    if shard == "full" and spec.offload:
+        # FSDP2's CPU offload keeps the weight, gradient and optimizer-state shards on the host (fake
+        # tensors live on one device: the host's part of the peak is taken out of the device's)
+        for part in ("parameters", "gradients", "optimizer state"):
+            peak -= parts[part]
+            parts[part] = 0
+    return StepMemory(peak=peak, parts=parts)
 
 
 def measure_loss(spec: StepSpec, batch: int, shard: str, precision: str) -> int:
@@ -661,6 +675,7 @@ def plan(
             steps = {c: step_memory(spec, shard=shard, world_size=world_size, batch=batch, checkpointing=c,
                                      precision=precision) for c in dict.fromkeys((*checkpointing, own))}  # fmt: skip
             parts = steps[own].parts
+            # a copy of what is on the device (nothing with dist.offload: the shards are on the host)
             mode = ModePlan(shard, steps, logits_and_loss=measure_loss(spec, batch, shard, precision),
                             staging=parts["parameters"] + parts["optimizer state"],
                             warm_up_copy=parts["parameters"])  # fmt: skip
