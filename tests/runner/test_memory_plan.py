@@ -176,3 +176,20 @@ def test_offload_keeps_the_shards_off_the_device_and_reshard_after_forward_false
     assert all(off.steps["none"].parts[p] == 0 for p in ("parameters", "gradients", "optimizer state"))
     assert off.steps["none"].peak < base.steps["none"].peak and off.warm_up_copy == off.staging == 0
     assert kept.steps["none"].parts["gathered blocks"] > base.steps["none"].parts["gathered blocks"]
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize(("world", "shard"), [(1, "none"), (8, "optimizer"), (8, "full")])
+def test_the_plan_is_within_10_percent_of_the_gpus_peak(world, shard):
+    """A 6-block GPT of width 512 (bf16, 4 x 512 tokens per rank) on one GPU under a fake process
+    group of ``world`` ranks: the plan against torch.cuda.max_memory_allocated of the runner's step
+    with its warm-up (bench/plan_accuracy.py at small sizes)."""
+    from bench import plan_accuracy
+
+    cfg = load_config("recipes/gpt_demo.yaml", ["model.args.n_layer=6", "model.args.n_embd=512", "model.args.n_head=8",
+                                                 "data.args.block_size=512", f"train.batch_size={4 * world}",
+                                                 f"dist.shard={shard}", "train.precision=bf16",
+                                                 "run.checkpoint_staging=host", "train.prewarm_steps=1"])  # fmt: skip
+    planned = plan(cfg, world, shards=(shard,), checkpointing=("none",), batches=False, warm_up=True).peak()
+    measured = plan_accuracy.measure(cfg, world, 4, torch.device("cuda"))["step"]
+    assert abs(planned / measured - 1) < 0.10, (planned, measured)
