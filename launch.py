@@ -11,6 +11,7 @@ import distlib
 from distlib.runner.config import load_config
 from distlib.runner.observability.throughput import gpus_per_process
 from distlib.runner.observability.timeline import Timeline
+from distlib.runner.training.memory_plan import MemoryRefused, check_before_launch
 from distlib.runner.training.outcome import exit_code, fast_exit
 from distlib.runner.training.trainer import Trainer
 
@@ -29,13 +30,17 @@ def main(argv: list[str], timeline: Timeline | None = None) -> int:
     cfg = trainer = failure = None
     try:
         cfg = load_config(args.recipe, args.overrides)
+        check_before_launch(cfg)  # before anything is allocated: a step that cannot fit the GPU stops here
+        timeline.mark("memory_plan")
         gpus = gpus_per_process(cfg.dist.mode)
         trainer = Trainer(cfg, distlib.init(cfg.dist.backend, cfg.dist.timeout_s, gpus_per_process=gpus), timeline)
         trainer.build()
         return trainer.fit()
     except BaseException as e:
-        # before the teardown (may exit); cfg None: the recipe is wrong, the same on every rank
-        failure, code = e, exit_code(e, cfg.dist.timeout_s if cfg else 0.0, before_start=cfg is None)
+        # before the teardown (may exit); cfg None: the recipe is wrong, the same on every rank (as a
+        # refused memory plan: every rank computed the same)
+        before_start = cfg is None or isinstance(e, MemoryRefused)
+        failure, code = e, exit_code(e, cfg.dist.timeout_s if cfg else 0.0, before_start=before_start)
         if code is None:
             raise
         return code

@@ -27,6 +27,9 @@
 #                GPU, torch.save, an async save's stall, bench.gpt_step single-compile) and the largest
 #                6.7B batch (seq 4096) per activation checkpointing mode; one command per part
 #                (bench/scale.py; SCALE_ARGS adds arguments)                       ("Large models")
+#   plan         the memory plan against the runner's step (torch.cuda.max_memory_allocated) for the 1.5B
+#                and 6.7B GPTs and the Llama-1B recipe at 1, 8 and 64 ranks (fake process group on one
+#                GPU), eager blocks (bench/plan_accuracy.py)                          ("Memory plan")
 #   checkpoint   how long a sharded checkpoint's save blocks training, synchronous against asynchronous:
 #                bench/checkpoint_stall.py on one GPU (4 GB of parameters + AdamW) and FSDP2 over
 #                every GPU                                                         ("Sharded checkpoints")
@@ -153,6 +156,10 @@ for suite in "$@"; do
             run "scale_ac_$m" $PY -m bench.scale --parts ac --ac-modes "$m" --json "$OUT/scale.jsonl" ${SCALE_ARGS:-}
         done
         run scale_report $PY -m bench.scale --report "$OUT/scale.jsonl"
+        ;;
+    plan)
+        rm -f "$OUT/plan_accuracy.jsonl"
+        run plan_accuracy $PY -m bench.plan_accuracy --json "$OUT/plan_accuracy.jsonl"
         ;;
     checkpoint)
         run checkpoint_single $PY -m bench.checkpoint_stall --device cuda --mb 4000

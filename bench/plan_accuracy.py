@@ -1,0 +1,215 @@
+"""The memory plan against the memory the runner's step takes, on one GPU.
+
+    python -m bench.plan_accuracy            # one H200: the 1.5B GPT, a 6.7B GPT, the Llama-1B recipe
+    python -m bench.plan_accuracy --tiny     # a tiny GPT on the CPU (the test)
+
+For each case (model, world size, ``dist.shard`` mode, ``train.activation_checkpointing``) the plan
+(``distlib.runner.training.memory_plan``, fake tensors on the CPU) is made first, then the runner's own
+step is built and run on the device: the model as ``Trainer.build_model`` makes it (``shard_model``
+under ``dist.shard=full``), ``build_step`` with its optimizer, the warm-up (``train.prewarm_steps``,
+on a GPU) and three steps of random tokens, under torch's fake process group of the case's world
+size (``init_process_group("fake")``: shapes and memory of that many ranks, collectives do nothing).
+Measured: ``torch.cuda.max_memory_allocated`` from the end of the build (the build's own peak is its
+column) to the end of the steps; on the CPU the allocator's bytes as torch's profiler records them
+(``profile_memory``), the build included. A case the plan says does not fit the GPU is not run.
+
+A simulated rank does not measure time in collectives, nor the buffers NCCL itself allocates
+outside torch's allocator. Rows are printed as JSON lines and appended to ``--json``; the table last.
+BENCHMARKS.md, "Memory plan".
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+if __package__ in (None, ""):  # run as `python bench/plan_accuracy.py`: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import rows as rows_  # noqa: E402  (after the path is set)
+
+GIB = 2**30
+# (name, recipe, overrides, sequences per rank): the models of the plan's accuracy target
+GPT_1_5B = ["model.args.n_layer=48", "model.args.n_embd=1600", "model.args.n_head=25", "model.args.vocab_size=50304",
+            "data.args.block_size=1024", "model.args.dropout=0.0"]  # fmt: skip
+GPT_6_7B = ["model.args.n_layer=32", "model.args.n_embd=4096", "model.args.n_head=32", "model.args.vocab_size=50304",
+            "data.args.block_size=2048", "model.args.dropout=0.0"]  # fmt: skip
+MODELS = {
+    "gpt-1.5B": ("recipes/gpt_shakespeare.yaml", GPT_1_5B, 16),
+    "gpt-6.7B": ("recipes/gpt_shakespeare.yaml", GPT_6_7B, 1),
+    "llama-1B": ("recipes/llama_1b.yaml", [], 8),
+    "gpt-tiny": ("recipes/gpt_demo.yaml", ["model.args.n_layer=6", "train.precision=fp32"], 8),
+}
+# (model, world size, dist.shard, checkpointing): eager blocks (train.compile=none) unless --compile
+CASES = [
+    ("gpt-1.5B", 1, "none", "none"), ("gpt-1.5B", 1, "full", "none"), ("gpt-1.5B", 8, "optimizer", "none"),
+    ("gpt-1.5B", 8, "full", "none"), ("gpt-1.5B", 64, "full", "none"), ("gpt-1.5B", 1, "none", "full"),
+    ("gpt-6.7B", 1, "none", "none"), ("gpt-6.7B", 8, "full", "none"), ("gpt-6.7B", 64, "full", "none"),
+    ("gpt-6.7B", 8, "optimizer", "selective"),
+    ("llama-1B", 1, "none", "none"), ("llama-1B", 1, "full", "none"), ("llama-1B", 8, "full", "none"),
+    ("llama-1B", 64, "full", "none"), ("llama-1B", 8, "optimizer", "full"),
+]  # fmt: skip
+TINY = [("gpt-tiny", w, s, ac) for w in (1, 2) for s in ("none", "optimizer", "full") for ac in ("none", "full")]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.plan_accuracy", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--models", default="", help="only these models (comma-separated names)")
+    p.add_argument("--case", action="append", default=[], metavar="MODEL:RANKS:SHARD:CHECKPOINTING",
+                   help="only these cases (repeatable), e.g. gpt-tiny:2:full:none")  # fmt: skip
+    p.add_argument("--compile", action="store_true", help="train.compile=true (the plan measures eager blocks)")
+    p.add_argument("--json", default=os.path.join(".bench", "out", "plan_accuracy.jsonl"), help="rows appended here")
+    p.add_argument("--tiny", action="store_true", help="a tiny GPT on the CPU, at 1 and 2 fake ranks")
+    return p.parse_args(argv)
+
+
+def config_of(model: str, world: int, shard: str, ac: str, compile_: bool) -> tuple:
+    from distlib.runner.config import load_config
+
+    recipe, overrides, per_rank = MODELS[model]
+    cfg = load_config(recipe, [*overrides, f"train.batch_size={per_rank * world}", f"dist.shard={shard}",
+                               f"train.activation_checkpointing={ac}", f"train.compile={str(compile_).lower()}",
+                               "run.checkpoint_staging=host", "train.prewarm_steps=1"])  # fmt: skip
+    return cfg, per_rank
+
+
+def cpu_peak(fn) -> int:  # noqa: ANN001
+    """The most bytes the CPU allocator held at once while ``fn()`` ran (from zero at its start)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())  # fmt: skip
+    held = peak = 0
+    for e in events:
+        held += e.nbytes()
+        peak = max(peak, held)
+    return peak
+
+
+def measure(cfg, world: int, per_rank: int, device) -> dict:  # noqa: ANN001
+    """The runner's model and step under a fake process group of ``world`` ranks: peaks in bytes."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import distlib
+    from distlib.distributed.process_group import Context
+    from distlib.runner.models.parameters import param_groups
+    from distlib.runner.training.memory_plan import step_spec
+    from distlib.runner.training.optimizer_step import OptimizerSpec, autocast_dtype
+    from distlib.runner.training.step import build_step
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    ctx = Context(rank=0, local_rank=0, world_size=world, local_world_size=world, device=device, backend="fake")
+    spec, t, cuda = step_spec(cfg), cfg.train, device.type == "cuda"
+    out: dict = {}
+
+    def run() -> None:
+        torch.manual_seed(0)
+        if cfg.dist.shard == "full":  # as Trainer.build_model
+            dtype = autocast_dtype(t.precision, device)
+            blocks = [cfg.model.block_class] if cfg.model.block_class else None
+            model = distlib.shard_model(spec.build, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
+                                        device=device, block_types=blocks, offload=cfg.dist.offload,
+                                        reshard_after_forward=cfg.dist.reshard_after_forward)  # fmt: skip
+        else:
+            with torch.device(device):
+                model = spec.build().to(device)
+        if cuda:
+            torch.cuda.synchronize()
+            out["build"] = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        opt = OptimizerSpec(torch.optim.AdamW, param_groups(model, t.weight_decay),
+                            dict(lr=t.lr, betas=(t.beta1, t.beta2),
+                                 fused=True if cuda and not cfg.dist.offload else None))  # fmt: skip
+        step = build_step(cfg, ctx, model, opt, per_rank, loss_fn=spec.loss_fn)
+        vocab = spec.vocab_size or 256
+        x = torch.randint(0, vocab, (per_rank, spec.seq_len), device=device)
+        y = torch.randint(0, vocab, (per_rank, spec.seq_len), device=device)
+        if cuda:
+            step.warm_up(x, y, steps=t.prewarm_steps)
+        for _ in range(3):
+            step(x, y)
+        if cuda:
+            torch.cuda.synchronize()
+            out["step"] = torch.cuda.max_memory_allocated()
+        step.close()
+
+    try:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            run()
+        else:
+            out["step"] = cpu_peak(run)
+    finally:
+        dist.destroy_process_group()
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    import torch
+
+    from distlib.runner.training.memory_plan import device_bytes, plan
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    cases = TINY if args.tiny else CASES
+    if args.models:
+        cases = [c for c in cases if c[0] in args.models.split(",")]
+    if args.case:
+        cases = [(m, int(w), s, a) for m, w, s, a in (c.split(":") for c in args.case)]
+    gpu = device_bytes() if device.type == "cuda" else None
+    rows: list[dict] = []
+    for model, world, shard, ac in cases:
+        cfg, per_rank = config_of(model, world, shard, ac, args.compile)
+        t0 = time.perf_counter()
+        result = plan(cfg, world, gpu_bytes=gpu, shards=(shard,), checkpointing=(ac,), batches=False,
+                      warm_up=device.type == "cuda")  # fmt: skip
+        row = {"model": model, "world": world, "shard": shard, "ac": ac, "compile": args.compile,
+               "tokens_per_rank": per_rank * result.seq_len, "plan_bytes": result.peak(),
+               "plan_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+        if result.fits() is False:
+            row["note"] = "the plan says it does not fit: not run"
+        else:
+            try:
+                got = measure(cfg, world, per_rank, device)
+            except torch.OutOfMemoryError:
+                got = {}
+                row["note"] = "out of memory"
+            if "step" in got:
+                row["measured_bytes"] = got["step"]
+                row["plan_over_measured"] = round(result.peak() / got["step"], 3)
+            if "build" in got:
+                row["build_bytes"] = got["build"]
+        rows_.emit("plan_accuracy", args.json, row, rows)
+    print(table(rows))
+    return 0
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown, in GiB (MiB when every figure is under one GiB)."""
+    unit, div = ("GiB", GIB) if any(r["plan_bytes"] >= GIB for r in rows) else ("MiB", 2**20)
+
+    def size(key: str, r: dict) -> str:
+        return f"{r[key] / div:.2f}" if r.get(key) is not None else "-"
+
+    lines = [f"| model | ranks | dist.shard | checkpointing | tokens/rank | plan {unit} | measured {unit} | "
+             f"plan/measured | build {unit} |", "|" + "---|" * 9]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['world']} | {r['shard']} | {r['ac']} | {r['tokens_per_rank']} | "
+                     f"{size('plan_bytes', r)} | {size('measured_bytes', r)} | {r.get('plan_over_measured', '-')} | "
+                     f"{size('build_bytes', r)} |" + (f" {r['note']}" if r.get("note") else ""))  # fmt: skip
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,801 @@
+"""The memory plan of a recipe: what one rank holds at the peak of a training step, measured before
+anything is allocated.
+
+The step is run, twice (the optimizer's state exists from the first step on), on fake tensors
+(``FakeTensorMode``: shapes, dtypes and storages, no data) on the CPU, under a fake process group
+of the planned world size (collectives do nothing), with torch's memory trackers counting every
+storage (``MemTracker``; ``FSDPMemTracker`` under ``dist.shard=full``): the method of torchtitan's
+estimator (``scripts/estimate``). What the runner's step does is mirrored with what runs on fake
+tensors: the model built by its component, ``fully_shard`` per block then the root as
+``shard_model`` applies it (FSDP2's mixed precision: bf16 weights in the layers), activation
+checkpointing per block (``distlib.checkpoint_blocks``), autocast to the GPU's dtype, the task's
+loss, backward, the global-norm clipping, the optimizer step. Three parts are stood in for, each by
+what allocates the same storages, because the real code cannot run on fake tensors:
+
+- GradSync's flat gradient buckets (at world size > 1 every gradient lives in one fp32 flat buffer,
+  kept between steps; its checks read values): a flat buffer the gradients are copied into;
+- the sharded optimizer (``dist.shard=optimizer``): the optimizer state of this rank's slice of
+  every parameter (1/N of its elements, ``docs/grad_sync.md``);
+- a compiled loss (``train.compile``; inductor does not run on fake tensors): it keeps its input and
+  one fp32 value per row for backward and writes one gradient of the input's dtype, where the eager
+  loss keeps an fp32 copy of the logits and its log-softmax;
+- float8 matrix products (``precision="fp8"``): each Linear but the output layer keeps float8 copies
+  (one byte an element) of its input and weight for backward, its weight stays as it is.
+
+Compiled blocks are measured eager: inductor's fusions keep fewer activations, so a compiled run
+peaks lower than planned (BENCHMARKS.md, "Memory plan", says by how much). The checkpoint's staging
+is the state's size (a copy of this rank's parameters and optimizer state on the device, while a
+background save writes them). Design: docs/memory_plan.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import math
+import os
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import distlib
+from distlib.errors import DistlibError
+from distlib.runner import components
+from distlib.runner.config import LM_DATA, Config, ConfigError, task_of
+from distlib.runner.models.parameters import param_groups
+from distlib.runner.tasks.causal_lm import recipe_vocab_size
+
+GIB = 2**30
+SHARD_MODES = ("none", "optimizer", "full")
+CHECKPOINTING = ("none", "full", "selective")
+# the compute dtype of each train.precision on a GPU (fp8: bf16 around the float8 matrix products)
+_COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None, "fp8": torch.bfloat16}
+PARTS = ("parameters", "gradients", "optimizer state", "gathered blocks", "activations")
+
+
+class MemoryRefused(DistlibError):
+    """A run whose step cannot fit its GPU, refused before anything is allocated: one line, with what fits."""
+
+
+class PlanError(ConfigError):
+    """A recipe the plan cannot measure (not a language model, no sequence length): one line, naming why."""
+
+
+@dataclass
+class StepMemory:
+    """One rank's memory at the peak of a training step: ``peak`` bytes, and what they hold (``parts``)."""
+
+    peak: int
+    parts: dict[str, int]
+
+
+@dataclass
+class ModePlan:
+    """One ``dist.shard`` mode: the step at each activation-checkpointing mode, the logits and loss
+    at their peak, the checkpoint's staging copy, the largest batch per rank that fits."""
+
+    shard: str
+    steps: dict[str, StepMemory]  # train.activation_checkpointing -> the step's peak
+    logits_and_loss: int
+    staging: int  # a copy of this rank's parameters and optimizer state
+    warm_up_copy: int  # a copy of this rank's parameters and buffers
+    largest_batch: int | None = None  # per rank, at the recipe's checkpointing; None: not asked
+
+
+@dataclass
+class MemoryPlan:
+    """The plan of one recipe at ``world_size`` ranks, ``batch`` sequences of ``seq_len`` tokens per rank."""
+
+    world_size: int
+    batch: int
+    seq_len: int
+    precision: str
+    shard: str  # the recipe's
+    checkpointing: str  # the recipe's
+    staging: str  # run.checkpoint_staging
+    warm_up: bool  # the runner's warm-up steps (train.prewarm_steps on a GPU) run with a copy of the weights
+    modes: dict[str, ModePlan] = field(default_factory=dict)
+    gpu_bytes: int | None = None  # the device's memory; None: no fit asked
+
+    def peak(self, shard: str | None = None, checkpointing: str | None = None) -> int:
+        """The run's peak (the recipe's mode by default): a step's, with on top the larger of what
+        runs beside some steps: the warm-up's copy of the weights (its steps put them back after),
+        and a checkpoint's staging copy on the device with ``run.checkpoint_staging=device`` (``auto``
+        stages on the device only when it has room to spare; ``host`` never)."""
+        mode = self.modes[shard or self.shard]
+        step = mode.steps[checkpointing or self.checkpointing].peak
+        return step + max(mode.warm_up_copy if self.warm_up else 0, mode.staging if self.staging == "device" else 0)
+
+    def fits(self, shard: str | None = None, checkpointing: str | None = None) -> bool | None:
+        return None if self.gpu_bytes is None else self.peak(shard, checkpointing) <= self.gpu_bytes
+
+    def verdict(self) -> str:
+        """One line: the recipe's peak per rank and, with a device size, whether it fits."""
+        where = f"dist.shard={self.shard}, train.activation_checkpointing={self.checkpointing}"
+        head = (f"memory plan: {size(self.peak())} per rank at the peak of a step ({self.world_size} rank(s), "
+                f"{self.batch} x {self.seq_len} tokens per rank, {where})")  # fmt: skip
+        if self.gpu_bytes is None:
+            return head
+        if self.fits():
+            return f"{head}: fits the device's {size(self.gpu_bytes)}"
+        return f"{head}: does not fit the device's {size(self.gpu_bytes)}{self._advice()}"
+
+    def _advice(self) -> str:
+        """What would fit instead, among the modes measured."""
+        fitting = [(self.peak(s, c), s, c) for s, m in self.modes.items() for c in m.steps if self.fits(s, c)]
+        if not fitting:
+            return "; no dist.shard or checkpointing mode fits: more ranks, or a smaller train.batch_size"
+        _, s, c = min(fitting, key=lambda f: (f[1] != self.shard) + (f[2] != self.checkpointing) + f[0] / 2**60)
+        return f"; dist.shard={s} with train.activation_checkpointing={c} would ({size(self.peak(s, c))})"
+
+    def table(self) -> str:
+        """Per rank, in GiB: the parts of the recipe's step, the peak at each checkpointing mode, the fit
+        and the largest batch, one column per dist.shard mode."""
+        shards = list(self.modes)
+        unit, div = ("GiB", GIB) if max(self.peak(s, c) for s in shards for c in self.modes[s].steps) >= GIB \
+            else ("MiB", 2**20)
+
+        def cell(n: int) -> str:
+            return f"{n / div:.2f}"
+
+        rows: list[tuple[str, list[str]]] = []
+        for part in PARTS:
+            rows.append((part, [cell(m.steps[self.checkpointing].parts.get(part, 0)) for m in self.modes.values()]))
+        rows.append(("  of which logits and loss", [cell(m.logits_and_loss) for m in self.modes.values()]))
+        if self.warm_up:
+            rows.append(("warm-up copy of the weights", [cell(m.warm_up_copy) for m in self.modes.values()]))
+        staged = {"device": "on the device", "host": "on the host", "auto": "device if room"}[self.staging]
+        rows.append((f"checkpoint staging ({staged})", [cell(m.staging) for m in self.modes.values()]))
+        for c in CHECKPOINTING:
+            if all(c in m.steps for m in self.modes.values()):
+                mark = " *" if c == self.checkpointing else ""
+                rows.append((f"peak, checkpointing {c}{mark}", [cell(self.peak(s, c)) for s in shards]))
+        if self.gpu_bytes is not None:
+            for c in CHECKPOINTING:
+                if all(c in m.steps for m in self.modes.values()):
+                    rows.append((f"fits {size(self.gpu_bytes)}, checkpointing {c}",
+                                 ["yes" if self.fits(s, c) else "no" for s in shards]))  # fmt: skip
+            if any(m.largest_batch is not None for m in self.modes.values()):
+                rows.append(("largest batch per rank *", [str(m.largest_batch) if m.largest_batch is not None
+                                                          else "-" for m in self.modes.values()]))  # fmt: skip
+        width = max(len(r[0]) for r in rows) + 2
+        lines = [f"{unit + ' per rank':<{width}}" + "".join(f"{'shard=' + s:>16}" for s in shards)]
+        lines += [f"{name:<{width}}" + "".join(f"{v:>16}" for v in values) for name, values in rows]
+        title = (f"memory plan: {self.world_size} rank(s), {self.batch} x {self.seq_len} tokens per rank, "
+                 f"train.precision={self.precision}; * the recipe's checkpointing ({self.checkpointing})")  # fmt: skip
+        return "\n".join([title, *lines])
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def size(n: int) -> str:
+    """``n`` bytes in GiB, or in MiB below one GiB."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+# ---- what the recipe asks for --------------------------------------------------------------------
+@dataclass
+class StepSpec:
+    """What one rank's step is made of, read from the recipe (the plan takes no data)."""
+
+    build: Callable[[], nn.Module]
+    block_class: str
+    vocab_size: int
+    seq_len: int
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    optimizer: str
+    weight_decay: float
+    grad_accum: int
+    clip: bool
+    compiled_loss: bool
+    reshard_after_forward: bool = True  # dist.reshard_after_forward (shard=full)
+    accumulate: str = "unsharded"  # dist.accumulate (shard=full, grad_accum > 1)
+    offload: bool = False  # dist.offload (shard=full): the shards and the optimizer's state on the host
+    layers: int = 0  # the model's blocks, when it can be built with another number of them
+    build_layers: Callable[[int], nn.Module] | None = None  # the model with that many blocks
+
+
+def step_spec(cfg: Config) -> StepSpec:
+    """The model, sequence length and loss of ``cfg``, without its data: a language-model recipe's
+    ``data.args.block_size`` (or the data set's default) and vocabulary (``byte_text``: 256; else
+    the recipe's). Raises PlanError for what the plan does not measure."""
+    if task_of(cfg) != "causal_lm":
+        raise PlanError([f"memory plan: train.task={task_of(cfg)}: only language-model recipes are planned"])
+    seq_len = cfg.data.args.get("block_size")
+    if seq_len is None:
+        default = inspect.signature(components.resolve("data", cfg.data.name)).parameters.get("block_size")
+        seq_len = default.default if default is not None and default.default is not inspect.Parameter.empty else None
+    if not isinstance(seq_len, int):
+        raise PlanError([f"memory plan: data.args.block_size: the sequence length of data.name={cfg.data.name} "
+                         "is needed; set it in the recipe"])  # fmt: skip
+    provided: dict[str, Any] = {"block_size": seq_len}
+    if cfg.data.name == "byte_text":
+        provided["vocab_size"] = 256
+    vocab = provided.get("vocab_size") or recipe_vocab_size(cfg)
+    if vocab is None and cfg.data.name not in LM_DATA:
+        raise PlanError(["memory plan: the model's vocabulary size: set model.args.vocab_size"])
+    loss = components.resolve("loss", cfg.loss.name)
+    kwargs = {**components.accepted(loss, {"label_smoothing": cfg.train.label_smoothing}), **cfg.loss.args}
+    t = cfg.train
+    layers, build_layers = _layer_count(cfg, provided)
+    return StepSpec(
+        layers=layers, build_layers=build_layers,
+        build=lambda: components.build("model", cfg.model.name, cfg.model.args, provided=provided),
+        block_class=cfg.model.block_class, vocab_size=vocab or 0, seq_len=seq_len,
+        loss_fn=lambda out, y: loss(out, y, **kwargs), optimizer=t.optimizer, weight_decay=t.weight_decay,
+        grad_accum=t.grad_accum, clip=t.clip_grad_norm > 0, compiled_loss=t.compile != "none",
+        reshard_after_forward=cfg.dist.reshard_after_forward, accumulate=cfg.dist.accumulate,
+        offload=cfg.dist.offload,
+    )  # fmt: skip
+
+
+def _layer_count(cfg: Config, provided: dict[str, Any]) -> tuple[int, Callable[[int], nn.Module] | None]:
+    """The number of blocks of a built-in model whose recipe sets it (gpt's ``n_layer``, a transformers
+    config's ``num_hidden_layers`` without per-layer lists), and how to build it with another number."""
+    args, name = cfg.model.args, cfg.model.name
+    if name == "gpt":
+        key, where = "n_layer", None
+        n = args.get(key, inspect.signature(components.resolve("model", name)).parameters[key].default)
+    elif name == "hf_causal_lm" and isinstance(args.get("config"), dict):
+        key, where = "num_hidden_layers", "config"
+        n = args["config"].get(key)
+        if any(isinstance(v, list) for v in args["config"].values()):  # per-layer settings (layer_types)
+            return 0, None
+    else:
+        return 0, None
+    if not isinstance(n, int):
+        return 0, None
+
+    def build(layers: int) -> nn.Module:
+        changed = {**args, where: {**args[where], key: layers}} if where else {**args, key: layers}
+        return components.build("model", name, changed, provided=provided)
+
+    return n, build
+
+
+# ---- the stand-ins -------------------------------------------------------------------------------
+class _CompiledLoss(torch.autograd.Function):
+    """The storages of a compiled cross-entropy: it keeps its input and one fp32 value per row (the
+    log-sum-exp), returns a scalar, and writes one gradient of its input's dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor) -> torch.Tensor:
+        lse = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(logits, lse)
+        return logits.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        logits, _ = ctx.saved_tensors
+        return torch.empty_like(logits)
+
+
+class _Float8Linear(torch.autograd.Function):
+    """A Linear whose matrix products run in float8 (torchao's float8 training): the weight stays in
+    its dtype; float8 copies of the input and the weight (one byte an element) are kept for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x.to(torch.float8_e4m3fn), weight.to(torch.float8_e4m3fn))
+        ctx.dtypes, ctx.has_bias = (x.dtype, weight.dtype), bias is not None
+        compute = torch.bfloat16
+        return F.linear(x.to(compute), weight.to(compute), None if bias is None else bias.to(compute))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        x8, w8 = ctx.saved_tensors
+        grad_x = (grad @ w8.to(grad.dtype)).to(ctx.dtypes[0])
+        grad_w = (grad.flatten(0, -2).t() @ x8.flatten(0, -2).to(grad.dtype)).to(ctx.dtypes[1])
+        grad_b = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b
+
+
+def _float8_linears(model: nn.Module, output: nn.Module | None) -> int:
+    """Every Linear but the output layer, and only those whose dimensions are multiples of 16 (what
+    float8 matrix products take), computes through ``_Float8Linear``. Returns how many."""
+    n = 0
+    for m in model.modules():
+        if type(m) is nn.Linear and m is not output and m.in_features % 16 == 0 and m.out_features % 16 == 0:
+            m.forward = lambda x, m=m: _Float8Linear.apply(x, m.weight, m.bias)  # type: ignore[method-assign]
+            n += 1
+    return n
+
+
+def _output_layer(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None) or getattr(getattr(model, "hf", None),
+                                                                   "get_output_embeddings", None)  # fmt: skip
+    if callable(get):
+        return get()
+    return getattr(model, "lm_head", None)
+
+
+def _flat_buckets(params: list[nn.Parameter]) -> torch.Tensor:
+    """GradSync's flat gradient buffer at world size > 1: every gradient copied into it once produced
+    (then ``.grad`` is a view of it), kept between steps."""
+    flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
+    at = 0
+    for p in params:
+        view = flat[at : at + p.numel()].view_as(p)
+        at += p.numel()
+
+        def into(param: torch.Tensor, view: torch.Tensor = view) -> None:
+            if param.grad is not view:
+                view.copy_(param.grad)
+                param.grad = view
+
+        p.register_post_accumulate_grad_hook(into)
+    return flat
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """A fake process group of ``world_size`` ranks (collectives do nothing) as the default group, and
+    destroyed after; refused inside a real one."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("memory plan: a process group is running; plan before distlib.init()")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    # the CPU's autocast runs the GPU's policy for what a transformer computes: matrix products and
+    # attention in the low precision, norms of fp32 inputs and the loss in fp32
+    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    local = getattr(t, "_local_tensor", None)  # a DTensor: its shard
+    t = local if local is not None else t
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage of its own
+        return None
+
+
+class Ledger(TorchDispatchMode):
+    """Every storage an operation makes, counted until it is freed, under the part it was made for:
+    what the running code says (``part``), else "activations"; ``peak`` and the parts at that moment.
+    Storages that exist before are counted through ``hold``. Torch's MemTracker counts the same way
+    but files each tensor per module at every operation, which is minutes for a large model; this is
+    seconds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[str, int] = dict.fromkeys(PARTS, 0)
+        self.peak, self.at_peak = 0, dict(self.live)
+        self._part = "activations"
+        self._seen: dict[int, list[Any]] = {}  # id(storage) -> [part, bytes]
+
+    def hold(self, tensors: Any, part: str) -> None:
+        """Count ``tensors``' storages under ``part`` (moving them there if counted already)."""
+        for t in pytree.tree_leaves(tensors):
+            if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None:
+                self._count(st, part)
+
+    def refresh(self, tensors: Any) -> None:
+        """Take the current size of ``tensors``' storages, which were resized in place (FSDP2 frees
+        and reallocates its gathered parameters by resizing their storage, no operation sees it)."""
+        for t in tensors:
+            st = _storage(t)
+            entry = self._seen.get(id(st)) if st is not None else None
+            if entry is None:
+                continue
+            n = st.nbytes()
+            self.live[entry[0]] += n - entry[1]
+            entry[1] = n
+            total = sum(self.live.values())
+            if total > self.peak:
+                self.peak, self.at_peak = total, dict(self.live)
+
+    def reset_peak(self) -> None:
+        self.peak, self.at_peak = sum(self.live.values()), dict(self.live)
+
+    @contextlib.contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        before, self._part = self._part, name
+        try:
+            yield
+        finally:
+            self._part = before
+
+    def _count(self, st: torch.UntypedStorage, part: str) -> None:
+        key = id(st)
+        entry = self._seen.get(key)
+        if entry is not None:
+            if entry[0] != part:
+                self.live[entry[0]] -= entry[1]
+                self.live[part] += entry[1]
+                entry[0] = part
+            return
+        n = st.nbytes()
+        entry = self._seen[key] = [part, n]
+        self.live[part] += n
+        weakref.finalize(st, self._free, key, entry)
+        total = sum(self.live.values())
+        if total > self.peak:
+            self.peak, self.at_peak = total, dict(self.live)
+
+    def _free(self, key: int, entry: list[Any]) -> None:
+        if self._seen.get(key) is entry:
+            del self._seen[key]
+            self.live[entry[0]] -= entry[1]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None and id(st) not in self._seen:
+                self._count(st, self._part)
+        return out
+
+
+@contextlib.contextmanager
+def _fsdp_parts(ledger: Ledger) -> Iterator[None]:
+    """FSDP2's gathered parameters and its communication buffers counted as "gathered blocks", and the
+    gradient shards its reduce-scatter leaves as "gradients" (FSDP2's own methods, wrapped while the
+    step runs; where a torch lacks them, what they make counts as activations)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError:
+        yield
+        return
+    names = ("unshard", "wait_for_unshard", "reshard", "post_backward")
+    saved = {name: getattr(FSDPParamGroup, name, None) for name in names}
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(group: Any, *args: Any, **kwargs: Any) -> Any:
+            with ledger.part("gathered blocks"):
+                out = fn(group, *args, **kwargs)
+            # the gathered parameters' storages, allocated or freed in place
+            ledger.refresh([t for p in getattr(group, "fsdp_params", ()) for t in getattr(p, "all_gather_outputs", ())])
+            if name == "post_backward":
+                ledger.hold([p.sharded_param.grad for p in getattr(group, "fsdp_params", ())
+                             if p.sharded_param.grad is not None], "gradients")  # fmt: skip
+            return out
+
+        return wrapped
+
+    try:
+        for name, fn in saved.items():
+            if fn is not None:
+                setattr(FSDPParamGroup, name, wrap(name, fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            if fn is not None:
+                setattr(FSDPParamGroup, name, fn)
+
+
+def measure_step(
+    spec: StepSpec,
+    *,
+    shard: str,
+    world_size: int,
+    batch: int,
+    checkpointing: str,
+    precision: str,
+    layers: int | None = None,
+) -> StepMemory:
+    """One rank's peak over two training steps of ``batch`` sequences (the second's: the optimizer's
+    state exists from the first step on), on fake tensors, under the fake process group of
+    ``world_size`` ranks that must be running (``fake_world``). ``layers``: the model built with that
+    many blocks (``spec.build_layers``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dtype = _COMPUTE[precision]
+    mesh = init_device_mesh("cpu", (world_size,)) if shard == "full" else None  # outside the fake mode
+    ledger = Ledger()
+    with FakeTensorMode(), torch.device("cpu"):
+        model = spec.build() if layers is None or spec.build_layers is None else spec.build_layers(layers)
+        if not isinstance(model, nn.Module):
+            raise PlanError([f"memory plan: the model's builder returned {type(model).__name__}, not an nn.Module"])
+        if precision == "fp8":
+            _float8_linears(model, _output_layer(model))
+        blocks = distlib.find_blocks(model, spec.block_class or None)
+        if shard == "full":  # as shard_model: each block, the last kept gathered after forward, then the root
+            policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+            again = spec.reshard_after_forward
+            for i, block in enumerate(blocks):
+                fully_shard(block, mesh=mesh, reshard_after_forward=again and i < len(blocks) - 1, mp_policy=policy)
+            fully_shard(model, mesh=mesh, reshard_after_forward=again, mp_policy=policy)
+        if checkpointing != "none":
+            if not blocks:
+                raise PlanError([f"memory plan: train.activation_checkpointing={checkpointing}: the model has no "
+                                 "blocks; name their class with model.block_class"])  # fmt: skip
+            distlib.checkpoint_blocks(blocks, checkpointing)
+        groups = param_groups(model, spec.weight_decay)
+        params = [p for g in groups for p in g["params"]]
+        ledger.hold([*model.parameters(), *model.buffers()], "parameters")
+        flat = None
+        if shard != "full" and world_size > 1:
+            flat = _flat_buckets(params)
+            ledger.hold(flat, "gradients")
+        stepped, slices = groups, []
+        if shard == "optimizer" and flat is not None:
+            # this rank's slice of every parameter (views of the parameters and of the flat gradient
+            # buffer in the real step: no memory of their own), stepped by the optimizer
+            slices = [nn.Parameter(torch.empty(math.ceil(p.numel() / world_size))) for p in params]
+            stepped = [{"params": slices}]
+        if spec.optimizer == "adamw":
+            opt: torch.optim.Optimizer = torch.optim.AdamW(stepped, lr=1e-3, fused=True)
+        else:
+            opt = torch.optim.SGD(stepped, lr=1e-3, momentum=0.9, fused=True)
+
+        def step_optimizer() -> None:
+            at = 0
+            for s in slices:  # the sharded optimizer's gradients: views of the flat buffer
+                s.grad = flat[at : at + s.numel()]
+                at += s.numel()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            for p in params if flat is None else ():
+                p.grad = None
+
+        # the optimizer's state as after a first step (one step without forward: the state, not the
+        # gradients, is what it leaves), then one whole step measured
+        for g in stepped:
+            for p in g["params"] if not slices else ():
+                p.grad = torch.zeros_like(p)
+        step_optimizer()
+        ledger.hold([v for state in opt.state.values() for v in state.values()], "optimizer state")
+        x = torch.zeros(batch // spec.grad_accum, spec.seq_len, dtype=torch.long)
+        y = torch.zeros_like(x)
+        for p in params if flat is None else ():
+            p.register_post_accumulate_grad_hook(lambda p: ledger.hold(p.grad, "gradients"))
+        autocast = _autocast(dtype) if shard != "full" else contextlib.nullcontext()
+        with _fsdp_parts(ledger) if shard == "full" else contextlib.nullcontext(), ledger:
+            for k in range(spec.grad_accum):
+                if shard == "full":  # FSDPSync: no reduce-scatter before the last micro-batch, unless sharded
+                    model.set_requires_gradient_sync(k == spec.grad_accum - 1 or spec.accumulate == "sharded")
+                with autocast:
+                    out = model(x)
+                    if shard == "full" and out.dtype != torch.float32:
+                        out = out.float()  # the runner's step: the loss in fp32
+                    loss = _CompiledLoss.apply(out) if spec.compiled_loss else spec.loss_fn(out, y)
+                del out
+                loss.backward()
+                del loss
+            if spec.clip:
+                torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+            with ledger.part("optimizer state"):
+                step_optimizer()
+    parts = dict(ledger.at_peak)
+    peak = ledger.peak
+    if shard == "full" and spec.offload:
+        # FSDP2's CPU offload keeps the weight, gradient and optimizer-state shards on the host (fake
+        # tensors live on one device: the host's part of the peak is taken out of the device's)
+        for part in ("parameters", "gradients", "optimizer state"):
+            peak -= parts[part]
+            parts[part] = 0
+    return StepMemory(peak=peak, parts=parts)
+
+
+def measure_loss(spec: StepSpec, batch: int, shard: str, precision: str) -> int:
+    """The logits (of the dtype the step hands the loss) and the loss's own storages at their peak."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dtype = _COMPUTE[precision] or torch.float32
+    ledger = Ledger()
+    with FakeTensorMode(), torch.device("cpu"):
+        logits = torch.empty(batch // spec.grad_accum, spec.seq_len, spec.vocab_size, dtype=dtype,
+                             requires_grad=True)  # fmt: skip
+        y = torch.zeros(logits.shape[:-1], dtype=torch.long)
+        ledger.hold(logits, "activations")
+        with ledger:
+            out = logits.float() if shard == "full" else logits
+            loss = _CompiledLoss.apply(out) if spec.compiled_loss else spec.loss_fn(out, y)
+            del out
+            loss.backward()
+    return ledger.peak
+
+
+def step_memory(spec: StepSpec, **kwargs: Any) -> StepMemory:
+    """``measure_step``; for a model of more than 4 blocks that can be built with fewer, measured at 2
+    and at 3 blocks and extrapolated to its number: every block adds the same storages (its weights,
+    their gradient and optimizer state, its activations), and the peak comes at the same point of
+    the step (the loss, or the first blocks' backward), so the peak is linear in the blocks. The
+    fake step of a 48-block model takes tens of seconds on a CPU; two of 2 and 3 blocks, a few."""
+    n = spec.layers
+    if n <= 4 or spec.build_layers is None:
+        return measure_step(spec, **kwargs)
+    two, three = measure_step(spec, layers=2, **kwargs), measure_step(spec, layers=3, **kwargs)
+    parts = {k: two.parts[k] + (n - 2) * (three.parts[k] - two.parts[k]) for k in two.parts}
+    return StepMemory(peak=two.peak + (n - 2) * (three.peak - two.peak), parts=parts)
+
+
+def largest_batch(measure: Callable[[int], int], micro: int, peak: int, limit: int) -> int:
+    """The largest micro-batch whose peak (``measure(batch)`` bytes; ``peak`` at ``micro``) is at most
+    ``limit``. Past the point where the activations set the peak (a small batch may peak at the
+    optimizer's step, which the batch does not change), the peak grows linearly with the batch: the
+    batch is multiplied by 4 until the peak grows (at most 3 times), and the line through the last two
+    measurements gives the answer."""
+    lo, p_lo = micro, peak
+    hi = 2 * micro
+    for _ in range(4):
+        p_hi = measure(hi)
+        if p_hi > limit or p_hi - p_lo > 0.02 * p_lo:
+            break
+        lo, p_lo, hi = hi, p_hi, hi * 4
+    slope = (p_hi - p_lo) / (hi - lo)
+    if slope <= 0:  # not even the largest batch tried changes the peak
+        return hi if p_hi <= limit else 0
+    return max(0, lo + math.floor((limit - p_lo) / slope))
+
+
+def plan(
+    cfg: Config,
+    world_size: int,
+    *,
+    gpu_bytes: int | None = None,
+    shards: tuple[str, ...] = SHARD_MODES,
+    checkpointing: tuple[str, ...] = CHECKPOINTING,
+    batches: bool = True,
+    precision: str | None = None,
+    warm_up: bool = True,
+) -> MemoryPlan:
+    """The memory plan of ``cfg`` at ``world_size`` ranks: each of ``shards`` at each of
+    ``checkpointing``, the largest batch per rank (``batches``, with ``gpu_bytes``) at the recipe's
+    checkpointing. ``precision``: in place of train.precision (``"fp8"``: float8 matrix products).
+    ``warm_up``: the run warms up (on a GPU; train.prewarm_steps).
+    Starts and ends a fake process group: call it before ``distlib.init()``."""
+    precision = precision or cfg.train.precision
+    if precision not in _COMPUTE:
+        raise PlanError([f"memory plan: precision {precision!r}: one of {', '.join(_COMPUTE)}"])
+    spec = step_spec(cfg)
+    if cfg.train.batch_size % world_size:
+        raise PlanError([f"memory plan: train.batch_size={cfg.train.batch_size} must divide evenly over "
+                         f"{world_size} ranks"])  # fmt: skip
+    batch = cfg.train.batch_size // world_size
+    if batch % spec.grad_accum:
+        raise PlanError([f"memory plan: {batch} sequences per rank must divide evenly into "
+                         f"train.grad_accum={spec.grad_accum} micro-batches"])  # fmt: skip
+    own = cfg.train.activation_checkpointing
+    result = MemoryPlan(world_size=world_size, batch=batch, seq_len=spec.seq_len, precision=precision,
+                        shard=cfg.dist.shard, checkpointing=own, staging=cfg.run.checkpoint_staging,
+                        warm_up=warm_up and cfg.train.prewarm_steps > 0, gpu_bytes=gpu_bytes)  # fmt: skip
+    # only FSDP2 needs a process group (a fake one; none and optimizer stand in for GradSync's)
+    with fake_world(world_size) if "full" in shards else contextlib.nullcontext():
+        for shard in shards:
+            steps = {c: step_memory(spec, shard=shard, world_size=world_size, batch=batch, checkpointing=c,
+                                     precision=precision) for c in dict.fromkeys((*checkpointing, own))}  # fmt: skip
+            parts = steps[own].parts
+            # a copy of what is on the device (nothing with dist.offload: the shards are on the host)
+            mode = ModePlan(shard, steps, logits_and_loss=measure_loss(spec, batch, shard, precision),
+                            staging=parts["parameters"] + parts["optimizer state"],
+                            warm_up_copy=parts["parameters"])  # fmt: skip
+            result.modes[shard] = mode
+            if batches and gpu_bytes is not None:
+                room = gpu_bytes - (result.peak(shard, own) - steps[own].peak)  # what runs beside the steps
+
+                def peak_at(micro: int, shard: str = shard) -> int:
+                    return step_memory(spec, shard=shard, world_size=world_size, batch=micro * spec.grad_accum,
+                                       checkpointing=own, precision=precision).peak  # fmt: skip
+
+                micro = batch // spec.grad_accum
+                mode.largest_batch = largest_batch(peak_at, micro, steps[own].peak, room) * spec.grad_accum
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m distlib.runner.plan RECIPE [a.b=value ...] --nproc N [--gpu-gib G]``."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(
+        prog="python -m distlib.runner.plan",
+        description="The memory one rank of a recipe needs at the peak of a training step, in each dist.shard "
+        "mode and activation-checkpointing mode, measured on fake tensors (no GPU, no data needed).",
+    )
+    p.add_argument("recipe", help="YAML recipe")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, as for launch.py")
+    p.add_argument("--nproc", type=int, default=1, help="ranks (GPUs) in all: train.batch_size is divided over them")
+    p.add_argument("--gpu-gib", type=float, default=None,
+                   help="one GPU's memory in GiB (default: this machine's GPU, if it has one)")  # fmt: skip
+    p.add_argument("--precision", choices=sorted(_COMPUTE), default=None,
+                   help="in place of train.precision (fp8: float8 matrix products)")  # fmt: skip
+    p.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH")
+    args = p.parse_intermixed_args(argv)  # options anywhere among the overrides
+    try:
+        if args.nproc < 1:
+            raise PlanError([f"--nproc: must be >= 1, got {args.nproc}"])
+        if args.gpu_gib is not None and args.gpu_gib <= 0:
+            raise PlanError([f"--gpu-gib: must be > 0, got {args.gpu_gib}"])
+        from distlib.runner.config import load_config
+
+        cfg = load_config(args.recipe, args.overrides)
+        gpu = int(args.gpu_gib * GIB) if args.gpu_gib is not None else device_bytes()
+        result = plan(cfg, args.nproc, gpu_bytes=gpu, precision=args.precision)
+    except ConfigError as e:
+        lines = e.problems
+        print("error: " + (lines[0] if len(lines) == 1 else str(e)), file=sys.stderr)
+        return 2
+    print(result.table())
+    print(result.verdict())
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(result.as_dict(), f, indent=1)
+    return 0
+
+
+def device_bytes(index: int | None = None) -> int | None:
+    """GPU ``index``'s memory in bytes (None: the smallest of the visible GPUs); None without a GPU.
+    Reads the device's properties only: no CUDA context is made."""
+    if not torch.cuda.is_available():
+        return None
+    indices = range(torch.cuda.device_count()) if index is None else [index % torch.cuda.device_count()]
+    return min(torch.cuda.get_device_properties(i).total_memory for i in indices)
+
+
+def check_before_launch(cfg: Config) -> None:
+    """A run's memory plan at its start, before the process group: the recipe's own mode at the
+    launcher's world size (``WORLD_SIZE``), one line in rank 0's log. On a GPU, a step that cannot fit
+    it raises MemoryRefused on every rank (each computes the same plan, so all stop alike); on a CPU
+    the line is all. A recipe the plan does not measure, or a model that cannot run on fake tensors,
+    is said in that line and the run goes on."""
+    if cfg.dist.mode == "fallback":  # one process drives every GPU of its node: not one rank per GPU
+        return
+    log = distlib.get_logger()
+    main = os.environ.get("RANK", "0") == "0"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    gpu = device_bytes(int(os.environ.get("LOCAL_RANK", "0"))) if cfg.dist.backend != "gloo" else None
+    on_gpu = torch.cuda.is_available() and cfg.dist.backend != "gloo"
+    own = dict(shards=(cfg.dist.shard,), checkpointing=(cfg.train.activation_checkpointing,))
+    # FSDP2 runs under a fake process group: in a process of its own, since a process group and its
+    # device meshes leave state behind them (a later sharded checkpoint of the real group was wrong)
+    measure = _plan_in_child if cfg.dist.shard == "full" else _plan_here
+    outcome, result = measure(cfg, world, gpu, on_gpu, own)
+    if outcome == "ok" and result.fits() is False:  # what would fit instead: every mode, measured only now
+        outcome, result = _plan_in_child(cfg, world, gpu, on_gpu, {})
+    if outcome == "not planned":
+        if main:
+            log.info("memory plan: not made: %s", result.removeprefix("memory plan: "))
+        return
+    if outcome == "failed":  # a model that does not run on fake tensors: the run itself is not in question
+        if main:
+            log.warning("memory plan: not made: the step did not run on fake tensors (%s)", result)
+        return
+    if result.fits() is False:
+        raise MemoryRefused(result.verdict())
+    if main:
+        log.info("%s", result.verdict())
+
+
+def _plan_here(cfg: Config, world: int, gpu: int | None, on_gpu: bool, modes: dict[str, Any]) -> tuple[str, Any]:
+    """``plan`` as an outcome: ("ok", the plan), ("not planned", why) or ("failed", the error in a line)."""
+    try:
+        return "ok", plan(cfg, world, gpu_bytes=gpu, batches=False, warm_up=on_gpu, **modes)
+    except PlanError as e:
+        return "not planned", e.problems[0]
+    except Exception as e:
+        text = str(e).strip()
+        return "failed", f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _plan_in_child(cfg: Config, world: int, gpu: int | None, on_gpu: bool, modes: dict[str, Any]) -> tuple[str, Any]:
+    """``_plan_here`` in a fresh process (spawned: nothing of this one's state in it)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(_plan_here, cfg, world, gpu, on_gpu, modes).result()
+        except Exception as e:  # the child died (out of host memory): say so, the run goes on
+            return "failed", f"{type(e).__name__}: {e}"

@@ -1,0 +1,195 @@
+"""The memory plan (distlib/runner/training/memory_plan.py, docs/memory_plan.md): its peak against the
+CPU allocator's for the runner's own step, its parts, the command line, and the verdict and refusal
+at launch."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from distlib.runner.config import load_config
+from distlib.runner.training import memory_plan
+from distlib.runner.training.memory_plan import fake_world, measure_step, plan, step_memory, step_spec
+from tests.conftest import ROOT
+
+
+@pytest.fixture(autouse=True)
+def _in_root(monkeypatch, world_size_1):
+    monkeypatch.chdir(ROOT)  # the recipes' relative paths
+
+
+def _tiny(*overrides: str):
+    return load_config("recipes/gpt_demo.yaml", ["train.batch_size=16", *overrides])
+
+
+@pytest.mark.parametrize(
+    ("shard", "tolerance"),
+    # the same storages as the runner's step, to the byte but for small temporaries
+    [("none", 0.01), ("optimizer", 0.01), ("full", 0.02)],
+)
+def test_the_plan_is_the_cpu_allocators_peak_of_the_runners_step_at_two_fake_ranks(shard, tolerance):
+    """The runner's model and step (GradSync's flat buckets, the sharded optimizer, shard_model) built
+    and run for real under a fake process group of 2 ranks, its allocations recorded by torch's
+    profiler (bench/plan_accuracy.py --tiny): the plan's peak, a 6-block GPT extrapolated from 2 and 3."""
+    from bench import plan_accuracy
+
+    cfg, per_rank = plan_accuracy.config_of("gpt-tiny", 2, shard, "none", False)
+    planned = plan(cfg, 2, shards=(shard,), checkpointing=("none",), batches=False, warm_up=False).peak()
+    measured = plan_accuracy.measure(cfg, 2, per_rank, torch.device("cpu"))["step"]
+    assert abs(planned / measured - 1) < tolerance, (planned, measured)
+
+
+def test_blocks_extrapolate_exactly_and_the_parts_follow_the_shard_mode():
+    cfg = _tiny("model.args.n_layer=6")
+    spec = step_spec(cfg)
+    assert spec.layers == 6
+    with fake_world(4):
+        kw = dict(world_size=4, batch=4, checkpointing="none", precision="fp32")
+        step = {s: measure_step(spec, shard=s, **kw) for s in ("none", "optimizer", "full")}
+        assert step_memory(spec, shard="full", **kw) == step["full"]  # 2 and 3 blocks, extrapolated to 6
+    params = sum(p.numel() * 4 for p in spec.build().parameters())
+    none, zero1, full = step["none"].parts, step["optimizer"].parts, step["full"].parts
+    assert none["parameters"] == zero1["parameters"] == params
+    assert none["gradients"] == params  # GradSync's flat buckets, kept between steps at world size > 1
+    assert none["optimizer state"] == pytest.approx(2 * params, rel=0.01)  # AdamW: two moments
+    assert zero1["optimizer state"] == pytest.approx(2 * params / 4, rel=0.01)
+    assert full["parameters"] == pytest.approx(params / 4, rel=0.01)
+    assert full["gathered blocks"] > 0 and none["gathered blocks"] == 0
+
+
+def test_checkpointing_and_float8_keep_less_for_backward():
+    """Activation checkpointing and float8 matrix products (float8 copies of every Linear's input and
+    weight kept for backward; the output layer in bf16) lower the activations, not the weights."""
+    cfg = _tiny("model.args.n_embd=128", "train.precision=bf16")
+    spec = step_spec(cfg)
+    with fake_world(1):
+        kw = dict(shard="none", world_size=1, batch=16)
+        bf16 = measure_step(spec, checkpointing="none", precision="bf16", **kw)
+        fp8 = measure_step(spec, checkpointing="none", precision="fp8", **kw)
+        full = measure_step(spec, checkpointing="full", precision="bf16", **kw)
+    assert fp8.parts["parameters"] == bf16.parts["parameters"]
+    assert fp8.parts["activations"] < 0.9 * bf16.parts["activations"]
+    assert full.parts["activations"] < 0.7 * bf16.parts["activations"]
+
+
+def test_the_command_prints_every_mode_the_fit_and_the_largest_batch(capsys):
+    code = memory_plan.main(["recipes/gpt_demo.yaml", "--nproc", "2", "--gpu-gib", "0.01"])
+    out = capsys.readouterr().out
+    assert code == 0
+    lines = out.splitlines()
+    assert "shard=none" in lines[1] and "shard=optimizer" in lines[1] and "shard=full" in lines[1]
+    rows = ["parameters", "gradients", "optimizer state", "gathered blocks", "activations", "of which logits and loss",
+            "checkpoint staging", "peak, checkpointing none", "peak, checkpointing full",
+            "peak, checkpointing selective", "fits 10.2 MiB", "largest batch per rank"]  # fmt: skip
+    for row in rows:
+        assert any(line.lstrip().startswith(row) for line in lines), row
+    largest = next(line for line in lines if line.startswith("largest batch")).split()[-3:]
+    assert all(int(b) > 0 for b in largest)
+    assert lines[-1].startswith("memory plan: ") and "(2 rank(s), 16 x 64 tokens per rank" in lines[-1]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["recipes/gpt_demo.yaml", "--nproc", "3"], "train.batch_size=32 must divide evenly over 3 ranks"),
+        (["recipes/demo.yaml"], "train.task=classification: only language-model recipes are planned"),
+        (["recipes/gpt_demo.yaml", "train.batch_size=-1"], "train.batch_size: must be > 0"),
+    ],
+)
+def test_the_command_refuses_what_it_cannot_plan_in_one_line(args, message, capsys):
+    assert memory_plan.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err
+
+
+def test_launch_refuses_a_run_that_cannot_fit_the_gpu_before_anything_starts(monkeypatch, tmp_path, capfd):
+    """A GPU of 1 MiB: exit 2, the verdict and what would fit instead, no process group started and
+    no run directory written."""
+    import launch
+
+    monkeypatch.setattr(memory_plan, "device_bytes", lambda index=None: 2**20)
+    out_dir = tmp_path / "run"
+    code = launch.main(["recipes/gpt_demo.yaml", f"run.out_dir={out_dir}"])
+    err = capfd.readouterr().err
+    assert code == 2
+    line = next(e for e in err.splitlines() if e.startswith("error: "))
+    assert "error: memory plan: " in line and "does not fit the device's 1.0 MiB" in line, err
+    assert "no dist.shard or checkpointing mode fits" in line or "would (" in line
+    assert not torch.distributed.is_initialized() and not os.path.exists(out_dir)
+
+
+def test_launch_logs_the_verdict_on_rank_0_only(monkeypatch, capfd):
+    cfg = _tiny()
+    memory_plan.check_before_launch(cfg)
+    assert "memory plan: " in capfd.readouterr().err
+    monkeypatch.setenv("RANK", "1")
+    memory_plan.check_before_launch(cfg)
+    assert "memory plan" not in capfd.readouterr().err
+    monkeypatch.setenv("RANK", "0")
+    memory_plan.check_before_launch(load_config("recipes/demo.yaml"))  # not a language model: said, and on
+    assert "memory plan: not made: train.task=classification" in capfd.readouterr().err
+
+
+def test_the_accuracy_benchmark_tables_plan_against_measured_on_the_cpu(tmp_path, capsys):
+    """bench/plan_accuracy.py --tiny: one case, its JSON row and the table (the GPU run's command)."""
+    import json
+
+    from bench import plan_accuracy
+
+    out = tmp_path / "rows.jsonl"
+    assert plan_accuracy.main(["--tiny", "--case", "gpt-tiny:1:none:full", "--json", str(out)]) == 0
+    row = json.loads(out.read_text().splitlines()[0])
+    assert row["world"] == 1 and row["ac"] == "full" and 0.95 < row["plan_over_measured"] < 1.05
+    table = capsys.readouterr().out.strip().splitlines()
+    assert table[-3].startswith("| model | ranks | dist.shard | checkpointing")
+    assert table[-1].startswith("| gpt-tiny | 1 | none | full |")
+
+
+@pytest.mark.slow
+def test_a_fully_sharded_run_planned_at_launch_saves_and_resumes_its_checkpoints(tmp_path):
+    """Two torchrun ranks of the GPT demo with dist.shard=full: the plan (FSDP2 under a fake process
+    group, in a process of its own) leaves nothing behind that the real group's run trips on; its
+    sharded checkpoint is written whole and resumed (planned in this process, the fake group's
+    meshes made the final save's shards overlap: DCP refused it)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "launch.py",
+           "recipes/gpt_demo.yaml", "dist.shard=full", "train.max_steps=2", f"run.out_dir={out}"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    for extra in ([], ["train.max_steps=3"]):  # the second run resumes from the first's final checkpoint
+        proc = subprocess.run(cmd + extra, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stderr.count("INFO memory plan: ") == 1, proc.stderr[-3000:]  # rank 0 alone
+    assert "resumed" in proc.stderr.lower() or "step000000002" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_offload_keeps_the_shards_off_the_device_and_reshard_after_forward_false_keeps_blocks_gathered():
+    kw = dict(shards=("full",), checkpointing=("none",), batches=False)
+    base = plan(_tiny("model.args.n_layer=4", "dist.shard=full"), 2, **kw).modes["full"]
+    off = plan(_tiny("model.args.n_layer=4", "dist.shard=full", "dist.offload=true"), 2, **kw).modes["full"]
+    kept = plan(_tiny("model.args.n_layer=4", "dist.shard=full", "dist.reshard_after_forward=false"), 2,
+                **kw).modes["full"]  # fmt: skip
+    assert all(off.steps["none"].parts[p] == 0 for p in ("parameters", "gradients", "optimizer state"))
+    assert off.steps["none"].peak < base.steps["none"].peak and off.warm_up_copy == off.staging == 0
+    assert kept.steps["none"].parts["gathered blocks"] > base.steps["none"].parts["gathered blocks"]
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize(("world", "shard"), [(1, "none"), (8, "optimizer"), (8, "full")])
+def test_the_plan_is_within_10_percent_of_the_gpus_peak(world, shard):
+    """A 6-block GPT of width 512 (bf16, 4 x 512 tokens per rank) on one GPU under a fake process
+    group of ``world`` ranks: the plan against torch.cuda.max_memory_allocated of the runner's step
+    with its warm-up (bench/plan_accuracy.py at small sizes)."""
+    from bench import plan_accuracy
+
+    cfg = load_config("recipes/gpt_demo.yaml", ["model.args.n_layer=6", "model.args.n_embd=512", "model.args.n_head=8",
+                                                 "data.args.block_size=512", f"train.batch_size={4 * world}",
+                                                 f"dist.shard={shard}", "train.precision=bf16",
+                                                 "run.checkpoint_staging=host", "train.prewarm_steps=1"])  # fmt: skip
+    planned = plan(cfg, world, shards=(shard,), checkpointing=("none",), batches=False, warm_up=True).peak()
+    measured = plan_accuracy.measure(cfg, world, 4, torch.device("cuda"))["step"]
+    assert abs(planned / measured - 1) < 0.10, (planned, measured)
