@@ -160,6 +160,9 @@ class RunConfig:
     progress: Literal["auto", "rich", "plain"] = "auto"  # auto: a live bar on a terminal, plain lines otherwise
     # curves.png of the metrics; auto: when matplotlib is installed ('distlib[plots]'), else a line says so
     curves: Literal["auto", "on", "off"] = "auto"
+    # the memory plan of the run's step at its start (python -m distlib.runner.plan): auto = on a GPU, where a
+    # step that cannot fit is refused before anything is allocated; on = also on a CPU (the verdict only)
+    memory_plan: Literal["auto", "on", "off"] = "auto"
     tensorboard: bool = False  # also write TensorBoard event files to out_dir (needs 'distlib[tensorboard]')
     wandb: WandbConfig = field(default_factory=lambda: WandbConfig())  # run.wandb=true turns it on
     mlflow: MLflowConfig = field(default_factory=lambda: MLflowConfig())  # run.mlflow=true turns it on
@@ -262,6 +265,7 @@ _BOOL_CHOICES = {
     "train.compile": {True: "auto", False: "none"},
     "train.activation_checkpointing": {True: "full", False: "none"},
     "run.curves": {True: "on", False: "off"},
+    "run.memory_plan": {True: "on", False: "off"},
 }
 
 

@@ -111,7 +111,7 @@ def test_launch_refuses_a_run_that_cannot_fit_the_gpu_before_anything_starts(mon
 
     monkeypatch.setattr(memory_plan, "device_bytes", lambda index=None: 2**20)
     out_dir = tmp_path / "run"
-    code = launch.main(["recipes/gpt_demo.yaml", f"run.out_dir={out_dir}"])
+    code = launch.main(["recipes/gpt_demo.yaml", "run.memory_plan=on", f"run.out_dir={out_dir}"])
     err = capfd.readouterr().err
     assert code == 2
     line = next(e for e in err.splitlines() if e.startswith("error: "))
@@ -122,14 +122,27 @@ def test_launch_refuses_a_run_that_cannot_fit_the_gpu_before_anything_starts(mon
 
 def test_launch_logs_the_verdict_on_rank_0_only(monkeypatch, capfd):
     cfg = _tiny()
+    cfg.run.memory_plan = "on"
     memory_plan.check_before_launch(cfg)
     assert "memory plan: " in capfd.readouterr().err
     monkeypatch.setenv("RANK", "1")
     memory_plan.check_before_launch(cfg)
     assert "memory plan" not in capfd.readouterr().err
     monkeypatch.setenv("RANK", "0")
-    memory_plan.check_before_launch(load_config("recipes/demo.yaml"))  # not a language model: said, and on
-    assert "memory plan: not made: train.task=classification" in capfd.readouterr().err
+    memory_plan.check_before_launch(load_config("recipes/demo.yaml", ["run.memory_plan=on"]))  # not a language
+    assert "memory plan: not made: train.task=classification" in capfd.readouterr().err  # model: said, and on
+
+
+def test_by_default_a_cpu_run_makes_no_plan_and_off_makes_none_anywhere(monkeypatch, capfd):
+    cfg = _tiny()
+    assert cfg.run.memory_plan == "auto" and not torch.cuda.is_available()
+    monkeypatch.setattr(memory_plan, "_plan_here", lambda *a: (_ for _ in ()).throw(AssertionError("planned")))
+    monkeypatch.setattr(memory_plan, "_plan_in_child", lambda *a: (_ for _ in ()).throw(AssertionError("planned")))
+    memory_plan.check_before_launch(cfg)
+    monkeypatch.setattr(memory_plan.torch.cuda, "is_available", lambda: True)
+    cfg.run.memory_plan = "off"
+    memory_plan.check_before_launch(cfg)
+    assert "memory plan" not in capfd.readouterr().err
 
 
 def test_the_accuracy_benchmark_tables_plan_against_measured_on_the_cpu(tmp_path, capsys):
@@ -158,7 +171,8 @@ def test_a_fully_sharded_run_planned_at_launch_saves_and_resumes_its_checkpoints
 
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "launch.py",
-           "recipes/gpt_demo.yaml", "dist.shard=full", "train.max_steps=2", f"run.out_dir={out}"]  # fmt: skip
+           "recipes/gpt_demo.yaml", "dist.shard=full", "train.max_steps=2", "run.memory_plan=on",
+           f"run.out_dir={out}"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": ROOT}
     for extra in ([], ["train.max_steps=3"]):  # the second run resumes from the first's final checkpoint
         proc = subprocess.run(cmd + extra, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

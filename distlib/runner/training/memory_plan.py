@@ -745,12 +745,17 @@ def device_bytes(index: int | None = None) -> int | None:
 
 
 def check_before_launch(cfg: Config) -> None:
-    """A run's memory plan at its start, before the process group: the recipe's own mode at the
+    """A run's memory plan at its start, before the process group (``run.memory_plan``: on a GPU by
+    default): the recipe's own mode at the
     launcher's world size (``WORLD_SIZE``), one line in rank 0's log. On a GPU, a step that cannot fit
     it raises MemoryRefused on every rank (each computes the same plan, so all stop alike); on a CPU
     the line is all. A recipe the plan does not measure, or a model that cannot run on fake tensors,
     is said in that line and the run goes on."""
     if cfg.dist.mode == "fallback":  # one process drives every GPU of its node: not one rank per GPU
+        return
+    # a CPU run has no device memory to run out of, and the plan costs seconds of start-up (more under
+    # dist.shard=full, planned in a process of its own): made on a GPU, or when asked for
+    if cfg.run.memory_plan == "off" or (cfg.run.memory_plan == "auto" and not torch.cuda.is_available()):
         return
     log = distlib.get_logger()
     main = os.environ.get("RANK", "0") == "0"
