@@ -154,7 +154,7 @@ def build_case(name: str, args, device) -> dict:
                    whole_gib=round(params * 4 / GIB, 2), shards_gib=round(_held_bytes(model) / GIB, 2),
                    build_peak_gib=_peak_gib(device))  # fmt: skip
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-        row["step_s"] = round(_step(model, opt, vocab, args, device), 2)
+        row["step_s"] = round(_step(model, opt, vocab, args, device), 4)
         row["step_peak_gib"] = _peak_gib(device)
         del model, opt
     except torch.OutOfMemoryError as e:
@@ -186,7 +186,7 @@ def offload_case(offload: bool, args, device) -> dict:
         _step(model, opt, shape["vocab_size"], args, device)  # warm-up: the optimizer state is made
         seconds = sum(_step(model, opt, shape["vocab_size"], args, device) for _ in range(args.steps))
         row.update(tokens_per_s=round(args.steps * args.batch * args.seq_len / seconds, 1),
-                   step_s=round(seconds / args.steps, 2), peak_gib=_peak_gib(device))  # fmt: skip
+                   step_s=round(seconds / args.steps, 4), peak_gib=_peak_gib(device))  # fmt: skip
         del model, opt
     except torch.OutOfMemoryError as e:
         row["error"] = f"out of memory: {str(e).splitlines()[0]}"
