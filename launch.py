@@ -8,6 +8,7 @@ import argparse
 import sys
 
 import distlib
+from distlib.reliability import stop
 from distlib.runner.config import load_config
 from distlib.runner.observability.throughput import gpus_per_process
 from distlib.runner.observability.timeline import Timeline
@@ -27,6 +28,9 @@ def main(argv: list[str], timeline: Timeline | None = None) -> int:
     timeline = timeline or Timeline()  # it starts at the process start (the OS's): the imports count
     timeline.mark("imports")
     args = parse_args(argv)
+    # SIGTERM/SIGINT: until training starts the first one interrupts (nothing to save yet), then the
+    # trainer's StopSignal stops every rank at one step with a checkpoint; repeats are ignored throughout
+    stop.catch(interrupt=True)
     cfg = trainer = failure = None
     try:
         cfg = load_config(args.recipe, args.overrides)
@@ -35,7 +39,7 @@ def main(argv: list[str], timeline: Timeline | None = None) -> int:
         gpus = gpus_per_process(cfg.dist.mode)
         trainer = Trainer(cfg, distlib.init(cfg.dist.backend, cfg.dist.timeout_s, gpus_per_process=gpus), timeline)
         trainer.build()
-        return trainer.fit()
+        code = trainer.fit()
     except BaseException as e:
         # before the teardown (may exit); cfg None: the recipe is wrong, the same on every rank (as a
         # refused memory plan: every rank computed the same)
@@ -43,12 +47,16 @@ def main(argv: list[str], timeline: Timeline | None = None) -> int:
         failure, code = e, exit_code(e, cfg.dist.timeout_s if cfg else 0.0, before_start=before_start)
         if code is None:
             raise
-        return code
     finally:
         if trainer is not None:
             trainer.close(failure)
         else:
             distlib.shutdown(barrier=False)
+        signum = stop.received()
+        stop.release()
+    if code == 0 and signum:  # a stop signal during the teardown, once the run had ended: said by its code
+        code = 128 + signum
+    return code
 
 
 if __name__ == "__main__":
