@@ -236,7 +236,7 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_to_the_same_result(tmp
     wait_for_file(os.path.join(out, "checkpoints", step_name(STEPS)), job)  # epoch 1's, committed
     os.kill(job.workers()[1], signal.SIGKILL)
     assert job.wait() == 0, job.output[-4000:]
-    assert "rank 0 lost the connection to another rank in " in job.output
+    assert "rank 0 lost the connection to rank 1 in " in job.output and "rank 1 ended without a word" in job.output
     # (which failure torchrun's agent reports first, rank 1's SIGKILL or rank 0's exit, depends on
     # the machine's load: not asserted)
     assert f"resuming from {os.path.join(out, 'checkpoints', step_name(STEPS))}" in job.output
@@ -322,7 +322,7 @@ def test_a_data_error_found_mid_run_by_one_rank_ends_every_rank_with_it(tmp_path
     job = Job(cmd, str(tmp_path / "data_error.log"))
     assert job.wait() == 1, job.output[-3000:]
     output = job.output
-    assert [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", output)] == [2, 2], output[-3000:]
+    assert set(re.findall(r"exitcode\s*:\s*(-?\d+)", output)) == {"2"}, output[-3000:]  # torchrun's summary
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 2 and all(f"{train}: token id 600 (token " in e for e in errors), output[-3000:]
     assert "lost the connection" not in output and not re.search(r'File ".*(distlib|launch\.py)', output)
@@ -541,6 +541,9 @@ RUNTIME = {
     "port in use, `torchrun --master-port": "1 (torchrun)",
     "a rank killed, under `torchrun --max-restarts": "0",
     "a stalled rank": "1 (torchrun)",
+    "a rank lost while a background save": "1 (the survivor); torchrun exits 1",
+    "a data error found mid-run": "2 (every rank); torchrun exits 1",
+    "SIGTERM or SIGINT before training": "143 / 130",  # test_trainer.py
     "SIGTERM": "143 (`python launch.py`); torchrun exits 1",  # 143: test_stop.py
     "SIGINT": "130 (`python launch.py`); torchrun exits 1",
 }
@@ -666,7 +669,9 @@ def test_the_docs_table_matches_these_tests():
         codes[cells[0]] = cells[-1]
     expected = {**{k: str(v) for k, v in CASES.items()}, **RUNTIME}
     for case, code in expected.items():
-        matching = [k for k in codes if k.lower().startswith(case.lower())]
+        matching = [k for k in codes if k.lower() == case.lower()] or [
+            k for k in codes if k.lower().startswith(case.lower())
+        ]
         assert len(matching) == 1, f"docs/reliability.md's table has {len(matching)} rows for {case!r}"
         assert codes[matching[0]] == code, (case, codes[matching[0]])
     assert len(codes) == len(expected), f"rows no test checks: {set(codes) - set(expected)}"

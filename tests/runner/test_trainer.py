@@ -22,6 +22,7 @@ from rich.console import Console
 from torch import nn
 
 import distlib
+from distlib.reliability.stop import Interrupted
 from distlib.runner.config import load_config
 from distlib.runner.data.device_loader import DeviceLoader
 from distlib.runner.data.images import load_image_set
@@ -188,6 +189,7 @@ def _launch(tmp_path) -> int:
         # the recipe's dist.timeout_s (the demo's default: 300) is the one the message names
         (RuntimeError("[gloo] Timed out waiting 300000ms"), 1, "after 300 s (dist.timeout_s)"),
         (KeyboardInterrupt(), 130, "error: interrupted"),
+        (Interrupted(signal.SIGTERM), 143, "error: interrupted by SIGTERM"),  # a stop before training started
     ],
 )
 def test_launch_maps_the_outcome_to_one_exit_code_and_tears_down(
