@@ -695,10 +695,11 @@ class ShardedCheckpointer:
             raise CheckpointError(f"{marker_path}: damaged ({', '.join(wrong) or 'files'} not as written)")
         return marker
 
-    def _check_files(self, path: str, marker: Mapping[str, Any]) -> str | None:
+    def _check_files(self, path: str, marker: Mapping[str, Any], *, alone: bool = False) -> str | None:
         """Every file present, of the size written; with ``verify``, this rank's share of the files (every
-        world_size-th) intact: the CRC-32 of every record (or the sha256 of a version 1 checkpoint)."""
-        rank, world = collectives.rank(), collectives.world_size()
+        world_size-th; ``alone``: every file) intact: the CRC-32 of every record (or the sha256 of a version
+        1 checkpoint), of ``.metadata`` on every rank."""
+        rank, world = (0, 1) if alone else (collectives.rank(), collectives.world_size())
         records: dict[str, list[tuple[int, int]]] | None = None
         for i, (name, want) in enumerate(sorted(marker["files"].items())):
             file = os.path.join(path, name)
@@ -858,6 +859,20 @@ def _resolve(checkpoint_dir: str) -> str:
     return paths[0]
 
 
+def verify(step_dir: str, *, records: bool = True) -> None:
+    """Check the committed checkpoint ``step_dir`` in this process alone, as ``resume`` does over the ranks:
+    ``commit.json`` and its CRC-32, every file's size, ``.metadata``'s CRC-32, and with ``records`` the CRC-32
+    of every record of every shard file (a read of the whole checkpoint). Raises CheckpointError naming the
+    damaged file."""
+    checker = ShardedCheckpointer(os.path.dirname(step_dir.rstrip(os.sep)) or ".")
+    marker = checker._read_marker(step_dir)
+    if not records:
+        marker = {**marker, "record_crc32": False}  # the records' CRC-32s not read: sizes and .metadata only
+    problem = checker._check_files(step_dir, marker, alone=True)
+    if problem:
+        raise CheckpointError(f"checkpoint {step_dir} is damaged: {problem}")
+
+
 def export_checkpoint(checkpoint_dir: str, path: str) -> str:
     """Write the checkpoint in ``checkpoint_dir`` (a step directory, or the newest in a checkpointer's
     directory) as one ``torch.save`` file: ``{name: state_dict}`` with whole tensors, so that
@@ -866,7 +881,7 @@ def export_checkpoint(checkpoint_dir: str, path: str) -> str:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     source = _resolve(checkpoint_dir)
-    ShardedCheckpointer(checkpoint_dir)._read_marker(source)
+    verify(source)  # every file, before anything is unpickled or written out
     dcp_to_torch_save(source, path)
     return source
 

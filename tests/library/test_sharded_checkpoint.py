@@ -555,6 +555,20 @@ def test_a_changed_byte_of_the_metadata_or_commit_json_is_found_and_the_older_ch
     assert ShardedCheckpointer(str(tmp_path)).resume(objects(*build("replicated", 1), {})) == 2
 
 
+@pytest.mark.parametrize("name", [".metadata", "commit.json", "__0_0.distcp"])
+def test_export_verifies_every_file_before_it_reads_one(tmp_path, name):
+    path = saved_once(tmp_path)
+    if name == "__0_0.distcp":
+        flip_a_tensor_byte(path, name)
+    else:
+        data = bytearray(open(os.path.join(path, name), "rb").read())
+        data[len(data) // 2] ^= 0x10
+        open(os.path.join(path, name), "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{os.path.join(path, name)}: (checksum mismatch|unreadable)"):
+        export_checkpoint(path, str(tmp_path / "model.pt"))
+    assert not os.path.exists(tmp_path / "model.pt")
+
+
 class Killed(BaseException):
     """A kill -9 in the middle of a deletion: nothing after it runs."""
 
