@@ -374,23 +374,27 @@ SIGNAL_SEED = int(os.environ.get("DISTLIB_SIGNAL_SEED", "0"))
 EVERY_6 = ("run.checkpoint_every_steps=6",)  # background saves every 6 steps too: more moments inside a save
 
 
-def signal_moment(job: Job, out_dir: str, rng: random.Random) -> str:
-    """Wait for a random moment of the run: a random time into its start, a random time into training
-    (after its first committed checkpoint), or within 30 ms of a random save's partial directory appearing
-    (the final one's included). Returns what it waited for."""
-    kind = rng.choice(["start", "training", "save", "save"])
+# (to every process, copies, moment) of the first trials: what schedulers do (every process, a copy from
+# torchrun), in each stage; later trials draw all three
+SCENARIOS = [(True, 2, "save"), (True, 1, "training"), (True, 3, "start"), (True, 2, "final save"), (False, 1, "save")]
+
+
+def signal_moment(job: Job, out_dir: str, rng: random.Random, kind: str) -> str:
+    """Wait for a random moment of the run's stage ``kind``: a random time into its start (once the workers
+    run), a random time into training (after its first committed checkpoint), or within 30 ms of a random
+    background save's partial directory appearing, or the final save's (during the final evaluation).
+    Returns the moment."""
     directory = os.path.join(out_dir, "checkpoints")
     if kind == "start":
-        end = time.monotonic() + rng.uniform(0.0, 12.0)
-        while time.monotonic() < end and job.proc.poll() is None:
-            job.workers()
-            time.sleep(0.05)
+        while len(job.workers()) < 2 and job.proc.poll() is None:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 8.0))
         return kind
     if kind == "training":
         wait_for_file(os.path.join(directory, step_name(6)), job)
         time.sleep(rng.uniform(0.0, 3.0))
         return kind
-    step = rng.choice(range(6, FINAL + 1, 6))
+    step = FINAL if kind == "final save" else rng.choice(range(6, FINAL, 6))
     partial, committed = (os.path.join(directory, f"{p}{step_name(step)}") for p in (".partial-", ""))
     while not (os.path.exists(partial) or os.path.exists(committed)) and job.proc.poll() is None:
         time.sleep(0.002)  # a save of this demo takes tens of milliseconds
@@ -403,11 +407,15 @@ def test_stop_signals_at_random_moments_end_every_rank_with_a_checkpoint_and_the
     tmp_path, reference, trial
 ):
     rng = random.Random(f"{SIGNAL_SEED}-{trial}")
-    sig = rng.choice([signal.SIGTERM, signal.SIGTERM, signal.SIGINT])
-    to_all, copies = rng.random() < 0.75, rng.choice([1, 2, 3])
+    sig = signal.SIGTERM if trial == 0 else rng.choice([signal.SIGTERM, signal.SIGTERM, signal.SIGINT])
+    if trial < len(SCENARIOS):
+        to_all, copies, kind = SCENARIOS[trial]
+    else:
+        to_all, copies = rng.random() < 0.75, rng.choice([1, 2, 3])
+        kind = rng.choice(["start", "training", "save", "save", "final save"])
     out = str(tmp_path / "out")
     job = torchrun(out, *EVERY_6, name="signalled")
-    moment = signal_moment(job, out, rng)
+    moment = signal_moment(job, out, rng, kind)
     sent = time.monotonic()
     for _ in range(copies):
         targets = [p for p, _ in descendants(job.proc.pid)] if to_all else []
