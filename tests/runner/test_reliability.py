@@ -406,6 +406,14 @@ def signal_moment(job: Job, out_dir: str, rng: random.Random, kind: str) -> str:
 def test_stop_signals_at_random_moments_end_every_rank_with_a_checkpoint_and_the_rerun_is_bit_equal(
     tmp_path, reference, trial
 ):
+    out = signal_trial(tmp_path, trial, CPU)
+    assert trajectory(out) == reference["trajectory"]
+    assert_same_model(final_model(out), reference["model"])
+
+
+def signal_trial(tmp_path, trial: int, device: list[str]) -> str:
+    """One trial: a run signalled at a random moment, its checks, and its rerun to the end (which must
+    train every epoch once). Returns the run directory."""
     rng = random.Random(f"{SIGNAL_SEED}-{trial}")
     sig = signal.SIGTERM if trial == 0 else rng.choice([signal.SIGTERM, signal.SIGTERM, signal.SIGINT])
     if trial < len(SCENARIOS):
@@ -414,7 +422,7 @@ def test_stop_signals_at_random_moments_end_every_rank_with_a_checkpoint_and_the
         to_all, copies = rng.random() < 0.75, rng.choice([1, 2, 3])
         kind = rng.choice(["start", "training", "save", "save", "final save"])
     out = str(tmp_path / "out")
-    job = torchrun(out, *EVERY_6, name="signalled")
+    job = torchrun(out, *EVERY_6, name="signalled", device=device)
     moment = signal_moment(job, out, rng, kind)
     sent = time.monotonic()
     for _ in range(copies):
@@ -437,12 +445,11 @@ def test_stop_signals_at_random_moments_end_every_rank_with_a_checkpoint_and_the
         assert step_name((int(m.group(1)) - 1) * STEPS + int(m.group(2))) in checkpoints(out), what
     assert_nothing_left(job)
 
-    again = torchrun(out, *EVERY_6, name="rerun")
+    again = torchrun(out, *EVERY_6, name="rerun", device=device)
     assert again.wait() == 0, f"{what}\n{again.output[-3000:]}"
     assert [r["epoch"] for r in metrics(out)] == [1, 2, 3], what  # no epoch twice, none skipped
-    assert trajectory(out) == reference["trajectory"], what
-    assert_same_model(final_model(out), reference["model"])
     print(what)  # pytest -s or -rP shows the moments tried
+    return out
 
 
 def test_sigint_stops_a_single_process_run_with_a_checkpoint_and_exit_130(tmp_path):
@@ -716,6 +723,13 @@ def test_gpu_sigterm_saves_and_the_rerun_finishes(tmp_path):
     assert again.wait() == 0, again.output[-3000:]
     assert f"epoch {epoch - 1}, step {step}" in again.output  # resumed from the checkpoint the signal left
     assert [r["epoch"] for r in metrics(out)] == list(range(1, epochs + 1))
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("trial", range(min(SIGNAL_TRIALS, len(SCENARIOS))))
+def test_gpu_stop_signals_at_random_moments_end_every_rank_with_a_checkpoint(tmp_path, trial):
+    """The CPU trials' scenarios on NCCL ranks (the rerun trains every epoch once; not compared bit for bit)."""
+    signal_trial(tmp_path, trial, NCCL)
 
 
 @pytest.mark.gpus(2)
