@@ -5,16 +5,32 @@ Exits 0 done, 2 bad input (``error: ...``), 1 a collective failed or a bug, 130/
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
-import distlib
-from distlib.reliability import stop
-from distlib.runner.config import load_config
-from distlib.runner.observability.throughput import gpus_per_process
-from distlib.runner.observability.timeline import Timeline
-from distlib.runner.training.memory_plan import MemoryRefused, check_before_launch
-from distlib.runner.training.outcome import exit_code, fast_exit
-from distlib.runner.training.trainer import Trainer
+
+def _stopped_while_importing(signum: int, frame: object) -> None:
+    """A stop signal during the imports (seconds of torch's): nothing to save or tear down yet; one line and
+    128 + the signal, as later in the start (an import cut by KeyboardInterrupt would print a traceback,
+    and SIGTERM's default action would end the process without a word)."""
+    name = "" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"
+    print(f"error: interrupted{name}", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
+if __name__ == "__main__":  # not when a test imports main(): its process keeps its own handlers
+    for _s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(_s, _stopped_while_importing)  # main() replaces them (stop.catch)
+
+import distlib  # noqa: E402
+from distlib.reliability import stop  # noqa: E402
+from distlib.runner.config import load_config  # noqa: E402
+from distlib.runner.observability.throughput import gpus_per_process  # noqa: E402
+from distlib.runner.observability.timeline import Timeline  # noqa: E402
+from distlib.runner.training.memory_plan import MemoryRefused, check_before_launch  # noqa: E402
+from distlib.runner.training.outcome import exit_code, fast_exit  # noqa: E402
+from distlib.runner.training.trainer import Trainer  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
