@@ -1,9 +1,10 @@
 """Sharded checkpoints with torch.distributed.checkpoint: every rank writes its own shards.
 
 ``<dir>/step000000042/`` holds DCP's ``.metadata`` and ``__<rank>_<i>.distcp`` files and
-``commit.json`` (step, world size, fingerprint, every file's size and sha256). It is written as
-``<dir>/.partial-step000000042/`` and renamed once every rank finished: a directory with the
-final name is a committed checkpoint. docs/reliability.md.
+``commit.json`` (step, world size, fingerprint, every file's size, ``.metadata``'s CRC-32 and its
+own: integrity.py). It is written as ``<dir>/.partial-step000000042/`` and renamed once every rank
+finished: a directory with the final name is a committed checkpoint; one is deleted by renaming it
+out of that name first (layout.py). docs/reliability.md.
 """
 
 from __future__ import annotations
