@@ -9,15 +9,12 @@ the CRC-32 of every record of its zip (written by torch.save as it writes) is ch
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import random
 import re
 import sys
 import threading
 import uuid
-import zipfile
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -25,6 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from distlib.checkpoint.integrity import crc32_on, payload_sha256, zip_intact
 from distlib.checkpoint.staging import pinned_empty
 from distlib.distributed import collectives, process_group
 from distlib.errors import DistlibError
@@ -135,35 +133,7 @@ def _as_tuples(x: Any) -> Any:
     return tuple(_as_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-# ---- checksum and file handling ---------------------------------------------------------
-
-
-def _digest(obj: Any, h: Any) -> None:
-    """Feed a canonical encoding of ``obj`` (tensors, containers, scalars) into ``h``."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        h.update(f"T{t.dtype}{list(t.shape)}".encode())
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    elif isinstance(obj, Mapping):
-        h.update(b"{")
-        for k, v in obj.items():
-            _digest(k, h)
-            _digest(v, h)
-        h.update(b"}")
-    elif isinstance(obj, (list, tuple)):
-        h.update(b"[")
-        for v in obj:
-            _digest(v, h)
-        h.update(b"]")
-    else:
-        h.update(f"{type(obj).__name__}:{obj!r};".encode())
-
-
-def checksum(payload: Mapping[str, Any]) -> str:
-    h = hashlib.sha256()
-    _digest({k: v for k, v in payload.items() if k != "checksum"}, h)
-    return h.hexdigest()
+# ---- file handling ------------------------------------------------------------------------
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -212,28 +182,13 @@ def write_atomic(payload: Mapping[str, Any], path: str) -> None:
         os.close(dfd)
 
 
-def _crc32_on() -> bool:
-    """Whether torch.save writes each record's CRC-32 (``torch.serialization.set_crc32_options``; on by default)."""
-    get = getattr(torch.serialization, "get_crc32_options", None)
-    return bool(get()) if get is not None else True
-
-
-def _records_intact(path: str) -> bool:
-    """Every record of the file's zip matches its CRC-32 (torch.load itself does not check them)."""
-    try:
-        with zipfile.ZipFile(path) as z:
-            return z.testzip() is None
-    except (zipfile.BadZipFile, OSError, EOFError, zlib.error):
-        return False
-
-
 def read_verified(path: str) -> dict[str, Any]:
     """Load a checkpoint file with weights_only=True and check its format and integrity: the CRC-32 of
     every record (version 2), or the sha256 of the payload (version 1).
 
     Raises CheckpointError saying what is wrong with the file.
     """
-    intact = _records_intact(path)
+    intact = zip_intact(path)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, flipped bytes in the pickle, a foreign file
@@ -245,7 +200,7 @@ def read_verified(path: str) -> dict[str, Any]:
     if version not in (1, VERSION):
         raise CheckpointError(f"{path}: checkpoint format version {version!r}, expected 1 or {VERSION}")
     if version == 1:
-        good = payload.get("checksum") == checksum(payload)
+        good = payload.get("checksum") == payload_sha256(payload)
     else:
         good = intact or payload.get("record_crc32") is False  # written with torch.save's CRC-32s off
     if not good:
@@ -360,7 +315,7 @@ class Checkpointer:
                     "state": {name: obj.state_dict() for name, obj in objects.items()},
                     "ranks": ranks,
                     "extra": _to_cpu(dict(extra or {})),
-                    "record_crc32": _crc32_on(),
+                    "record_crc32": crc32_on(),
                 }
                 if not async_:
                     # GPU tensors as they are: torch.save copies each to the host as it writes it, so the

@@ -1,15 +1,14 @@
 """Sharded checkpoints with torch.distributed.checkpoint: every rank writes its own shards.
 
 ``<dir>/step000000042/`` holds DCP's ``.metadata`` and ``__<rank>_<i>.distcp`` files and
-``commit.json`` (step, world size, fingerprint, every file's size and sha256). It is written as
-``<dir>/.partial-step000000042/`` and renamed once every rank finished: a directory with the
-final name is a committed checkpoint. docs/reliability.md.
+``commit.json`` (step, world size, fingerprint, every file's size, ``.metadata``'s CRC-32 and its
+own: integrity.py). It is written as ``<dir>/.partial-step000000042/`` and renamed once every rank
+finished: a directory with the final name is a committed checkpoint; one is deleted by renaming it
+out of that name first (layout.py). docs/reliability.md.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import math
 import os
@@ -18,8 +17,6 @@ import shutil
 import sys
 import threading
 import warnings
-import zipfile
-import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,44 +37,28 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.utils._pytree import tree_map_only
 
 from distlib.checkpoint.checkpointer import CheckpointError, differences
+from distlib.checkpoint.integrity import crc32_on, file_crc32, file_sha256, records_intact, seal, unseal
+from distlib.checkpoint.layout import COMMITTED, PARTIAL, discard, fsync_dir, leftovers, step_name
 from distlib.checkpoint.staging import pin_in_place
 from distlib.distributed import collectives, process_group
 from distlib.log import get_logger
 
 FORMAT = "distlib-sharded-checkpoint"
-VERSION = 2  # 1: every file's sha256 in commit.json (read still); 2: sizes, the records' CRC-32s checked on load
+# 1: every file's sha256 in commit.json (read still); 2: sizes, the records' CRC-32s checked on load (read still);
+# 3: also the CRC-32 of .metadata (a plain pickle, no records of its own) and of commit.json itself
+VERSION = 3
 MARKER = "commit.json"
-_NAME = re.compile(r"^step(\d{9})$")
+_NAME = COMMITTED
 # the checkpointers with an asynchronous save in flight: kept alive until it is committed (shutdown()
 # holds its hooks weakly, and a save must not be lost with a checkpointer the caller let go of)
 _IN_FLIGHT: set[ShardedCheckpointer] = set()
-_PARTIAL = re.compile(r"^\.partial-step(\d{9})$")
+_PARTIAL = PARTIAL
 STAGING = ("auto", "device", "host")
 
 
 # DCP warns on every save and load without a process group that it assumes one process: world size 1 is
 # meant. The async save warns from its own thread, where a catch_warnings block would not reach.
 warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)", category=UserWarning)
-
-
-def _step_name(step: int) -> str:
-    return f"step{step:09d}"
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):  # hashlib.file_digest is Python 3.11+
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _own_files(directory: str, rank: int) -> dict[str, dict[str, Any]]:
@@ -89,28 +70,6 @@ def _own_files(directory: str, rank: int) -> dict[str, dict[str, Any]]:
         if name.startswith(f"__{rank}_") or (rank == 0 and name == ".metadata"):
             out[name] = {"bytes": os.path.getsize(os.path.join(directory, name))}
     return out
-
-
-def _crc32_on() -> bool:
-    """Whether torch.save writes each record's CRC-32 (``torch.serialization.set_crc32_options``; on by default)."""
-    get = getattr(torch.serialization, "get_crc32_options", None)
-    return bool(get()) if get is not None else True
-
-
-def _records_intact(path: str, items: list[tuple[int, int]]) -> bool:
-    """Every record of a DCP shard file (``items``: offset and length of each) matches the CRC-32s its
-    zip holds. DCP writes each tensor and each other value with torch.save, whose zip writer computes
-    the CRC-32 of every record as it writes (torch.load does not check them)."""
-    with open(path, "rb") as f:
-        for offset, length in items:
-            f.seek(offset)
-            try:
-                with zipfile.ZipFile(io.BytesIO(f.read(length))) as z:
-                    if z.testzip() is not None:
-                        return False
-            except (zipfile.BadZipFile, OSError, EOFError, zlib.error):
-                return False
-    return True
 
 
 def model_fingerprint(objects: Mapping[str, Any]) -> dict[str, str]:
@@ -497,7 +456,7 @@ class ShardedCheckpointer:
         """
         self.wait()
         rank = collectives.rank()
-        partial = os.path.join(self.directory, f".partial-{_step_name(step)}")
+        partial = os.path.join(self.directory, f".partial-{step_name(step)}")
         error = None
         if rank == 0:
             if os.path.isdir(partial) and os.listdir(partial):
@@ -516,7 +475,7 @@ class ShardedCheckpointer:
             "world_size": collectives.world_size(),
             "objects": sorted(objects),
             "fingerprint": {"tensors": model_fingerprint(objects), "settings": self.settings},
-            "record_crc32": _crc32_on(),
+            "record_crc32": crc32_on(),
         }
         state = _state_dicts(objects)
         files: dict[str, Any] = {}
@@ -671,20 +630,22 @@ class ShardedCheckpointer:
         self._fail_together(error)
 
     def _commit(self, step: int, partial: str, marker: dict[str, Any]) -> None:
+        # .metadata is a plain pickle (no CRC-32 of its own, and unpickled whole by every load): its CRC-32
+        # here, and commit.json's own (``seal``), so that a changed byte of either is found before it is read
+        marker["files"][".metadata"]["crc32"] = file_crc32(os.path.join(partial, ".metadata"))
         path = os.path.join(partial, MARKER)
         with open(path + ".tmp", "w") as f:
-            json.dump(marker, f, indent=1)
+            json.dump(seal(marker), f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
-        _fsync_dir(partial)
-        final = os.path.join(self.directory, _step_name(step))
-        if os.path.isdir(final):  # a step saved again (a run resumed from an older checkpoint)
-            shutil.rmtree(final)
+        fsync_dir(partial)
+        final = os.path.join(self.directory, step_name(step))
+        discard(final)  # a step saved again (a run resumed from an older checkpoint): out of the name first
         os.replace(partial, final)  # the commit: a directory with the final name is complete
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         for old in self.paths()[self.keep :]:
-            shutil.rmtree(old, ignore_errors=True)
+            discard(old)  # renamed before it is removed: never half a checkpoint under a committed name
 
     def written(self) -> bool:
         """Whether this rank has finished writing its part of the save in flight (or none is in flight), so
@@ -725,14 +686,21 @@ class ShardedCheckpointer:
                 marker = json.load(f)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{marker_path}: unreadable ({type(e).__name__}: {e}); delete {path}") from e
-        if marker.get("format") != FORMAT or marker.get("version") not in (1, VERSION):
-            raise CheckpointError(f"{marker_path}: not a distlib sharded checkpoint of version 1 or {VERSION}")
+        if not isinstance(marker, dict) or marker.get("format") != FORMAT or marker.get("version") not in (1, 2, 3):
+            raise CheckpointError(f"{marker_path}: not a distlib sharded checkpoint of version 1 to {VERSION}")
+        if not unseal(marker) or (marker["version"] >= 3 and "crc32" not in marker):
+            raise CheckpointError(f"{marker_path}: checksum mismatch (the file is corrupted)")
+        kinds = {"step": int, "world_size": int, "objects": list, "fingerprint": dict, "files": dict}
+        wrong = [k for k, kind in kinds.items() if not isinstance(marker.get(k), kind)]
+        if wrong or not all(isinstance(f, dict) and isinstance(f.get("bytes"), int) for f in marker["files"].values()):
+            raise CheckpointError(f"{marker_path}: damaged ({', '.join(wrong) or 'files'} not as written)")
         return marker
 
-    def _check_files(self, path: str, marker: Mapping[str, Any]) -> str | None:
+    def _check_files(self, path: str, marker: Mapping[str, Any], *, alone: bool = False) -> str | None:
         """Every file present, of the size written; with ``verify``, this rank's share of the files (every
-        world_size-th) intact: the CRC-32 of every record (or the sha256 of a version 1 checkpoint)."""
-        rank, world = collectives.rank(), collectives.world_size()
+        world_size-th; ``alone``: every file) intact: the CRC-32 of every record (or the sha256 of a version
+        1 checkpoint), of ``.metadata`` on every rank."""
+        rank, world = (0, 1) if alone else (collectives.rank(), collectives.world_size())
         records: dict[str, list[tuple[int, int]]] | None = None
         for i, (name, want) in enumerate(sorted(marker["files"].items())):
             file = os.path.join(path, name)
@@ -741,17 +709,25 @@ class ShardedCheckpointer:
             size = os.path.getsize(file)
             if size != want["bytes"]:
                 return f"{file} has {size} bytes, {want['bytes']} were written (truncated or overwritten)"
-            if not self.verify or i % world != rank:
+            # .metadata by every rank (the load unpickles it on each), the rest by one rank each
+            if not self.verify or (i % world != rank and name != ".metadata"):
                 continue
             if "sha256" in want:
-                if _sha256(file) != want["sha256"]:
+                if file_sha256(file) != want["sha256"]:
                     return f"{file}: checksum mismatch (the file is corrupted)"
-            elif name != ".metadata" and marker.get("record_crc32", True):  # .metadata: unpickled whole by the load
+            elif "crc32" in want:
+                if file_crc32(file) != want["crc32"]:
+                    return f"{file}: checksum mismatch (the file is corrupted)"
+            elif name != ".metadata" and marker.get("record_crc32", True):
                 if records is None:
+                    try:  # intact for a version 3 checkpoint (checked first: its name sorts first)
+                        metadata = dcp.FileSystemReader(path).read_metadata()
+                    except Exception as e:  # a version 2 checkpoint's .metadata, unchecked: any unpickling error
+                        return f"{os.path.join(path, '.metadata')}: unreadable ({type(e).__name__}: {str(e)[:200]})"
                     records = {}
-                    for info in dcp.FileSystemReader(path).read_metadata().storage_data.values():
+                    for info in metadata.storage_data.values():
                         records.setdefault(info.relative_path, []).append((info.offset, info.length))
-                if not _records_intact(file, records.get(name, [])):
+                if not records_intact(file, records.get(name, [])):
                     return f"{file}: checksum mismatch (the file is corrupted)"
         return None
 
@@ -772,6 +748,8 @@ class ShardedCheckpointer:
         if collectives.rank() == 0:
             for p in self._partials():
                 log.warning("deleting %s, the partial directory of an interrupted save", p)
+                shutil.rmtree(p, ignore_errors=True)
+            for p in leftovers(self.directory):  # an old checkpoint's deletion, interrupted
                 shutil.rmtree(p, ignore_errors=True)
             paths = self.paths()
         paths = self._all_gather(paths)[0]
@@ -882,6 +860,20 @@ def _resolve(checkpoint_dir: str) -> str:
     return paths[0]
 
 
+def verify(step_dir: str, *, records: bool = True) -> None:
+    """Check the committed checkpoint ``step_dir`` in this process alone, as ``resume`` does over the ranks:
+    ``commit.json`` and its CRC-32, every file's size, ``.metadata``'s CRC-32, and with ``records`` the CRC-32
+    of every record of every shard file (a read of the whole checkpoint). Raises CheckpointError naming the
+    damaged file."""
+    checker = ShardedCheckpointer(os.path.dirname(step_dir.rstrip(os.sep)) or ".")
+    marker = checker._read_marker(step_dir)
+    if not records:
+        marker = {**marker, "record_crc32": False}  # the records' CRC-32s not read: sizes and .metadata only
+    problem = checker._check_files(step_dir, marker, alone=True)
+    if problem:
+        raise CheckpointError(f"checkpoint {step_dir} is damaged: {problem}")
+
+
 def export_checkpoint(checkpoint_dir: str, path: str) -> str:
     """Write the checkpoint in ``checkpoint_dir`` (a step directory, or the newest in a checkpointer's
     directory) as one ``torch.save`` file: ``{name: state_dict}`` with whole tensors, so that
@@ -890,7 +882,7 @@ def export_checkpoint(checkpoint_dir: str, path: str) -> str:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     source = _resolve(checkpoint_dir)
-    ShardedCheckpointer(checkpoint_dir)._read_marker(source)
+    verify(source)  # every file, before anything is unpickled or written out
     dcp_to_torch_save(source, path)
     return source
 

@@ -257,9 +257,10 @@ def on_shutdown(method: Callable[[bool], None]) -> None:
         _atexit_registered = True
 
 
-def _run_shutdown_hooks(together: bool) -> list[tuple[type[Exception], str]]:
-    """Call the live hooks (each once: they are dropped); the failures' types and texts (not the
-    exceptions: their frames may hold a group)."""
+def run_shutdown_hooks(*, together: bool) -> list[tuple[type[Exception], str]]:
+    """Call the live ``on_shutdown`` hooks now (each once: they are dropped), as ``shutdown()`` does
+    first; the failures' types and texts (not the exceptions: their frames may hold a group).
+    ``failures.abort()`` calls it with ``together=False`` before destroying the group."""
     hooks = [h() for h in _SHUTDOWN_HOOKS]
     _SHUTDOWN_HOOKS.clear()
     failures = []
@@ -309,7 +310,7 @@ def shutdown(*, barrier: bool | None = None) -> None:
 
 def _teardown(*, barrier: bool, together: bool) -> None:
     global _CONTEXT
-    hook_failures = _run_shutdown_hooks(together)  # before anything is torn down: a commit is a collective
+    hook_failures = run_shutdown_hooks(together=together)  # before anything is torn down: a commit is a collective
     _CONTEXT = None
     failure = None
     if dist.is_available() and dist.is_initialized():

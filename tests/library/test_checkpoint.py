@@ -17,11 +17,11 @@ from distlib.checkpoint.checkpointer import (
     Checkpointer,
     CheckpointError,
     Resumed,
-    checksum,
     fingerprint,
     read_verified,
     write_atomic,
 )
+from distlib.checkpoint.integrity import payload_sha256
 from distlib.runner.models.parameters import param_groups
 from distlib.runner.models.vision import small_cnn
 from distlib.runner.training.schedule import warmup_linear
@@ -206,7 +206,7 @@ def test_a_version_1_checkpoint_with_its_sha256_still_loads_and_is_checked(tmp_p
     payload = torch.load(path, weights_only=True)
     payload["version"] = 1
     del payload["record_crc32"]
-    payload["checksum"] = checksum(payload)
+    payload["checksum"] = payload_sha256(payload)
     write_atomic(payload, path)
     assert read_verified(path)["version"] == 1
     payload["position"]["step"] = 7  # another payload, a stale sha256

@@ -4,7 +4,10 @@ kill -9 mid-save, asynchronous save, retention, export, and the errors."""
 from __future__ import annotations
 
 import copy
+import logging
 import os
+import random
+import shutil
 import signal
 
 import pytest
@@ -497,6 +500,104 @@ def test_with_fallback_a_damaged_checkpoint_is_skipped_for_the_previous_one_on_e
         assert r["step"] == 1 and r["train"] == 1 and r["model"], r
         assert "is from another model or settings" in r["other"] and newest in r["other"], r
         assert r["none"].startswith(f"none of the 2 committed checkpoint(s) in {tmp_path} is usable"), r
+
+
+@pytest.fixture
+def warnings_logged():
+    """What the distlib logger warns (it does not propagate to pytest's caplog)."""
+    records: list[str] = []
+
+    class ListHandler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = ListHandler(level=logging.WARNING)
+    logging.getLogger("distlib").addHandler(handler)
+    yield records
+    logging.getLogger("distlib").removeHandler(handler)
+
+
+FLIPS = int(os.environ.get("DISTLIB_FLIP_TRIALS", "40"))  # per file; any number for a longer search
+
+
+@pytest.mark.parametrize("name", [".metadata", "commit.json"])
+def test_a_changed_byte_of_the_metadata_or_commit_json_is_found_and_the_older_checkpoint_resumed(
+    tmp_path, name, warnings_logged
+):
+    """One byte of step 2's ``.metadata`` (a plain pickle) or ``commit.json`` changed, at seeded random
+    places, one at a time: every one is found before anything unpickles or trusts it, named in the
+    warning, and step 1 is resumed with its state (not a traceback, not another model's error)."""
+    model, opt, sched = build("replicated", seed=0)
+    ck = ShardedCheckpointer(str(tmp_path))
+    for step in (1, 2):
+        train_step("replicated", model, opt, sched, step)
+        ck.save(step, objects(model, opt, sched, {"step": step}))
+        if step == 1:
+            at_1 = {k: v.clone() for k, v in model.state_dict().items()}
+    path = os.path.join(str(tmp_path), "step000000002", name)
+    original = open(path, "rb").read()
+    rng = random.Random(f"{name}-flips")
+    places = rng.sample(range(len(original)), min(FLIPS, len(original)))
+    for at in places:
+        damaged = bytearray(original)
+        damaged[at] ^= 1 << rng.randrange(8)
+        open(path, "wb").write(bytes(damaged))
+        warnings_logged.clear()
+        fresh, fopt, fsched = build("replicated", seed=1)
+        train = {"step": -1}
+        step = ShardedCheckpointer(str(tmp_path)).resume(objects(fresh, fopt, fsched, train), fallback=True)
+        assert step == 1 and train["step"] == 1, (at, warnings_logged)
+        assert all(torch.equal(v, at_1[k]) for k, v in fresh.state_dict().items()), at
+        skipped = [m for m in warnings_logged if m.startswith("skipping checkpoint: ")]
+        assert len(skipped) == 1 and path in skipped[0], (at, warnings_logged)
+        assert f"resuming from the older checkpoint {os.path.join(str(tmp_path), 'step000000001')}" in warnings_logged
+    open(path, "wb").write(original)
+    assert ShardedCheckpointer(str(tmp_path)).resume(objects(*build("replicated", 1), {})) == 2
+
+
+@pytest.mark.parametrize("name", [".metadata", "commit.json", "__0_0.distcp"])
+def test_export_verifies_every_file_before_it_reads_one(tmp_path, name):
+    path = saved_once(tmp_path)
+    if name == "__0_0.distcp":
+        flip_a_tensor_byte(path, name)
+    else:
+        data = bytearray(open(os.path.join(path, name), "rb").read())
+        data[len(data) // 2] ^= 0x10
+        open(os.path.join(path, name), "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{os.path.join(path, name)}: (checksum mismatch|unreadable)"):
+        export_checkpoint(path, str(tmp_path / "model.pt"))
+    assert not os.path.exists(tmp_path / "model.pt")
+
+
+class Killed(BaseException):
+    """A kill -9 in the middle of a deletion: nothing after it runs."""
+
+
+def test_a_deletion_killed_midway_leaves_no_half_checkpoint_under_a_committed_name(tmp_path, monkeypatch):
+    """keep=1: saving step 2 deletes step 1; the deletion is killed after its first file. Every directory
+    left under a committed name is complete (resumes, verified), and the next resume clears the rest."""
+    model, opt, sched = build("replicated", seed=0)
+    ck = ShardedCheckpointer(str(tmp_path), keep=1)
+    ck.save(1, objects(model, opt, sched, {"step": 1}))
+    real_rmtree = shutil.rmtree
+
+    def killed_rmtree(path, *args, **kwargs):
+        os.unlink(os.path.join(path, sorted(os.listdir(path))[0]))
+        raise Killed
+
+    monkeypatch.setattr(shutil, "rmtree", killed_rmtree)
+    with pytest.raises(Killed):
+        ck.save(2, objects(model, opt, sched, {"step": 2}))
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    for found in ShardedCheckpointer(str(tmp_path)).paths():
+        step = int(os.path.basename(found).removeprefix("step"))
+        only = ShardedCheckpointer(str(tmp_path / "alone"))
+        shutil.copytree(found, str(tmp_path / "alone" / os.path.basename(found)))
+        assert only.resume(objects(*build("replicated", 1), {})) == step  # complete: verified and loaded
+        real_rmtree(str(tmp_path / "alone"))
+    assert ShardedCheckpointer(str(tmp_path)).paths() == [os.path.join(str(tmp_path), "step000000002")]
+    assert ShardedCheckpointer(str(tmp_path)).resume(objects(*build("replicated", 1), {})) == 2
+    assert sorted(os.listdir(tmp_path)) == ["step000000002"]  # the interrupted deletion's rest removed
 
 
 def test_written_says_whether_this_ranks_part_of_the_save_in_flight_is_on_disk(tmp_path, monkeypatch):

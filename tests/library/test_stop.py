@@ -7,6 +7,7 @@ import signal
 
 import pytest
 
+from distlib.reliability import stop as stop_module
 from distlib.reliability.stop import StopSignal
 
 
@@ -18,16 +19,53 @@ def test_a_signal_stops_at_the_next_check_with_128_plus_its_number(sig, code):
     os.kill(os.getpid(), sig)
     assert stop.requested and stop.check() and stop.check()
     assert (stop.name, stop.exit_code) == (signal.Signals(sig).name, code)
-    # a second signal of the same kind takes the default action, so a stuck run can still be stopped
-    assert signal.getsignal(sig) == before
+    # copies of the same stop (torchrun forwards what it gets, Slurm signals every process) are ignored
+    for _ in range(3):
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+    assert stop.check() and stop.exit_code == code
     stop.close()
     assert signal.getsignal(sig) == before
+
+
+def test_a_second_ctrl_c_seconds_after_the_first_stops_at_once(monkeypatch):
+    monkeypatch.setattr(stop_module, "REPEAT_S", 0.0)
+    stop = StopSignal()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.check()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.close()
+
+
+def test_before_a_stop_signal_exists_the_first_signal_interrupts_once():
+    """launch.py's ``catch(interrupt=True)``: a signal before training raises Interrupted; its copies do not
+    interrupt the unwinding; the StopSignal built after it takes the handlers over, and release() restores them."""
+    before = signal.getsignal(signal.SIGTERM)
+    stop_module.catch(interrupt=True)
+    try:
+        with pytest.raises(stop_module.Interrupted) as e:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert e.value.signum == signal.SIGTERM and stop_module.received() == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)  # ignored
+        stop_module.release()
+        stop_module.catch(interrupt=True)
+        stop = StopSignal()  # no signal yet: the handlers only record from here
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.check() and stop.exit_code == 143
+        stop.close()
+        assert signal.getsignal(signal.SIGTERM) != before  # catch()'s: its caller releases them
+    finally:
+        stop_module.release()
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 def test_closing_without_a_signal_restores_the_handlers():
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     stop = StopSignal()
-    assert signal.getsignal(signal.SIGTERM) == stop._handle
+    assert signal.getsignal(signal.SIGTERM) == stop_module._CAUGHT.handle
     stop.close()
     assert {s: signal.getsignal(s) for s in before} == before
 

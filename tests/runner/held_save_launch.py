@@ -4,6 +4,7 @@ is being written: ``python tests/runner/held_save_launch.py RECIPE [overrides]``
 Each rank's first ``HELD_SAVE_AFTER`` saves are written as usual. In the next one the rank writes the
 first record of its shard file, flushes it, creates the file ``<HELD_SAVE_MARK>-<rank>`` and writes
 nothing more: the save stays in flight (uncommitted, its files partial) until the process is killed.
+``HELD_SAVE_RANKS`` (comma-separated; every rank by default): the ranks whose write is held.
 torch.distributed.checkpoint's file writer is patched here, in the test's process only.
 """
 
@@ -21,6 +22,8 @@ import torch.distributed.checkpoint.filesystem as filesystem  # noqa: E402
 
 AFTER = int(os.environ["HELD_SAVE_AFTER"])
 MARK = os.environ["HELD_SAVE_MARK"]
+RANK = os.environ.get("RANK", "0")
+HELD = RANK in os.environ.get("HELD_SAVE_RANKS", RANK).split(",")
 saves = 0
 write_data, write_item = filesystem._FileSystemWriter.write_data, filesystem._write_item
 
@@ -33,9 +36,9 @@ def counted_write_data(self, plan, planner):
 
 def held_write_item(transforms, stream, data, item, storage_key, serialization_format):
     result = write_item(transforms, stream, data, item, storage_key, serialization_format)
-    if saves > AFTER:
+    if saves > AFTER and HELD:
         stream.flush()
-        open(f"{MARK}-{os.environ.get('RANK', '0')}", "w").close()
+        open(f"{MARK}-{RANK}", "w").close()
         threading.Event().wait()  # until the process is killed
     return result
 

@@ -394,6 +394,11 @@ def test_a_folder_without_weights_and_a_missing_extra_are_config_errors(tmp_path
     shutil.copy(root / "tiny" / "config.json", empty / "config.json")
     with pytest.raises(ConfigError, match="neither model.safetensors nor model.safetensors.index.json"):
         load_config(recipe(root, str(tmp_path / "r"), {"pretrained": str(empty)}))
+    damaged = tmp_path / "damaged"
+    shutil.copytree(root / "tiny", damaged)
+    (damaged / "config.json").write_text((root / "tiny" / "config.json").read_text()[:-20])  # cut short
+    with pytest.raises(ConfigError, match=f"{damaged}'?: its config.json cannot be read: "):
+        load_config(recipe(root, str(tmp_path / "r"), {"pretrained": str(damaged)}))
     import builtins
 
     real_import = builtins.__import__

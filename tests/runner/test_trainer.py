@@ -22,6 +22,7 @@ from rich.console import Console
 from torch import nn
 
 import distlib
+from distlib.reliability.stop import Interrupted
 from distlib.runner.config import load_config
 from distlib.runner.data.device_loader import DeviceLoader
 from distlib.runner.data.images import load_image_set
@@ -188,6 +189,7 @@ def _launch(tmp_path) -> int:
         # the recipe's dist.timeout_s (the demo's default: 300) is the one the message names
         (RuntimeError("[gloo] Timed out waiting 300000ms"), 1, "after 300 s (dist.timeout_s)"),
         (KeyboardInterrupt(), 130, "error: interrupted"),
+        (Interrupted(signal.SIGTERM), 143, "error: interrupted by SIGTERM"),  # a stop before training started
     ],
 )
 def test_launch_maps_the_outcome_to_one_exit_code_and_tears_down(
@@ -214,6 +216,36 @@ def test_the_error_line_names_the_rank_that_says_it(monkeypatch, capsys):
     monkeypatch.setattr(outcome, "context", lambda: SimpleNamespace(rank=3))
     assert outcome.exit_code(RuntimeError("[gloo] Connection reset by peer"), timeout_s=60.0) == 1
     assert capsys.readouterr().err.startswith("error: rank 3 lost the connection to another rank in a collective")
+
+
+@pytest.mark.parametrize(
+    "reports, code, said",
+    [
+        ({1: None}, 1, "rank 3 lost the connection to rank 1 in a collective: rank 1 ended without a word (killed"),
+        ({1: {"code": 1, "message": "ValueError: a bug (its traceback is in its output)"}}, 1,
+         "to rank 1 in a collective: rank 1 failed: ValueError: a bug"),
+        ({1: {"code": 2, "message": "x.bin: token id 600 ..."}}, 2, "(on rank 1) x.bin: token id 600 ..."),
+        ({1: {"code": 143, "message": "interrupted by SIGTERM"}, 2: None}, 143, "(on rank 1) interrupted by SIGTERM"),
+        ({1: {"code": 1, "message": "rank 1 lost the connection to rank 2 in all_reduce: ..."}, 2: None}, 1,
+         "lost the connection to rank 2 in a collective: rank 2 ended without a word"),
+        ({}, 1, "rank 3 lost the connection to another rank"),  # no store to ask
+    ],
+)  # fmt: skip
+def test_a_rank_that_lost_a_peer_says_what_the_peer_said_or_names_it(monkeypatch, capsys, reports, code, said):
+    """The peers' words in the store (``failures.report``): an error or a stop of its own is said again with
+    its code; a rank that left none, or failed with a bug, is named; another survivor is not."""
+    from types import SimpleNamespace
+
+    from distlib.runner.training import outcome
+
+    sent = []
+    monkeypatch.setattr(outcome, "context", lambda: SimpleNamespace(rank=3))
+    monkeypatch.setattr(outcome, "peer_reports", lambda: reports)
+    monkeypatch.setattr(outcome, "report", lambda c, m: sent.append((c, m)))
+    assert outcome.exit_code(RuntimeError("[gloo] Connection reset by peer"), timeout_s=60.0) == code
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and said in err, err
+    assert sent[-1] == (code, err.removeprefix("error: ").strip())  # its own word, for the others
 
 
 def test_a_checkpoint_must_match_every_key_but_the_documented_free_ones():

@@ -74,15 +74,20 @@ def _newest_checkpoint(run_dir: str) -> tuple[str, str]:
     """("sharded" | "replicated", path) of the newest committed checkpoint of the run, in checkpoints/ or
     weights/ (run.final_checkpoint=weights) ("replicated": a one-file checkpoint of an earlier version,
     only when there is no sharded one)."""
-    from distlib.checkpoint.checkpointer import Checkpointer
-    from distlib.checkpoint.sharded import ShardedCheckpointer
+    from distlib.checkpoint.checkpointer import Checkpointer, CheckpointError
+    from distlib.checkpoint.sharded import ShardedCheckpointer, verify
 
     directory = os.path.join(run_dir, "checkpoints")
     # run.final_checkpoint=weights writes the final model alone into weights/: the newest step wins
     sharded = [p for d in (directory, os.path.join(run_dir, "weights")) if os.path.isdir(d)
                for p in ShardedCheckpointer(d).paths()[:1]]  # fmt: skip
     if sharded:
-        return "sharded", max(sharded, key=os.path.basename)
+        newest = max(sharded, key=os.path.basename)
+        try:  # commit.json, the files' sizes and .metadata before it is unpickled (the shards' records: not read)
+            verify(newest, records=False)
+        except CheckpointError as e:
+            raise ExportError(f"{e}; resume the run from the previous one, or export another run") from e
+        return "sharded", newest
     replicated = Checkpointer(directory).paths()
     if replicated:
         return "replicated", replicated[0]

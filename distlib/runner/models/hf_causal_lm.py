@@ -121,8 +121,12 @@ def check_args(args: Mapping[str, Any]) -> list[str]:
         else:
             try:
                 weight_files(pretrained)
+                _transformers().AutoConfig.from_pretrained(pretrained, local_files_only=True)
             except SafetensorsError as e:
                 problems.append(f"model.args.pretrained: {e}")
+            except (OSError, ValueError) as e:  # a damaged or foreign config.json: transformers' own words
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                problems.append(f"model.args.pretrained: {pretrained!r}: its config.json cannot be read: {first}")
     return problems
 
 
@@ -216,7 +220,11 @@ def hf_causal_lm(
     if (config is None) == (not pretrained):
         raise ConfigError(["model.args: hf_causal_lm needs exactly one of config or pretrained"])
     if pretrained:
-        hf_config = transformers.AutoConfig.from_pretrained(pretrained, local_files_only=True)
+        try:
+            hf_config = transformers.AutoConfig.from_pretrained(pretrained, local_files_only=True)
+        except (OSError, ValueError) as e:  # missing, damaged or foreign config.json: transformers' own words
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise ConfigError([f"model.args.pretrained={pretrained!r}: its config.json cannot be read: {first}"]) from e
     else:
         config = dict(config)
         if vocab_size is not None and "vocab_size" not in config:

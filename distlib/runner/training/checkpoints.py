@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distlib.checkpoint.checkpointer import CheckpointError, RankStateful, rng_state, set_rng_state
+from distlib.checkpoint.layout import COMMITTED, DELETING, PARTIAL, discard
 from distlib.distributed import collectives
 from distlib.log import get_logger
 
@@ -36,8 +37,9 @@ if TYPE_CHECKING:
 # or at a resume that has a checkpoint to load: by then the optimizer has imported torch._dynamo, which
 # shares most of its modules (about 0.04 s then, 0.45 s before it)
 _KINDS = {
-    "committed": re.compile(r"^step\d{9}$"),
-    "partial": re.compile(r"^\.partial-step\d{9}$"),
+    "committed": COMMITTED,
+    "partial": PARTIAL,
+    "deleting": DELETING,  # a deletion a crash interrupted (never under a committed name)
     "one_file": re.compile(r"^epoch\d+-step\d+\.pt$"),
     "probe": re.compile(r"^\.rank0-[0-9a-f]{32}$"),  # left by a run that died at its start
 }
@@ -54,9 +56,11 @@ def _listing(directory: str, *, delete: bool) -> dict[str, list[str]]:
     for p in found.pop("partial"):
         log.warning("deleting %s, the partial directory of an interrupted save", p)
         shutil.rmtree(p, ignore_errors=True)
+    for p in found.pop("deleting"):
+        shutil.rmtree(p, ignore_errors=True)
     if delete and (found["committed"] or found["one_file"]):
         for p in found["committed"]:
-            shutil.rmtree(p, ignore_errors=True)
+            discard(p)  # out of its committed name first: a kill in the middle leaves no half checkpoint
         for p in found["one_file"]:
             os.unlink(p)
         log.warning("resume disabled: deleted the old checkpoints in %s", directory)

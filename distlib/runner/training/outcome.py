@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 
 from distlib.distributed.process_group import context
 from distlib.errors import DistlibError
 from distlib.parallel.grad_sync import GradSyncTimeout
-from distlib.reliability.failures import describe
+from distlib.reliability.failures import describe, peer_reports, report
+from distlib.reliability.stop import Interrupted
 
 # A rank under torchrun that is not its node's local rank 0 waits this long for torchrun to end it
 # after a configuration error (local rank 0 reports it and exits first); then it reports it itself.
@@ -21,28 +23,52 @@ def exit_code(e: BaseException, timeout_s: float, *, before_start: bool = False)
     """Say in one line why the run ends and return its exit code; None for a bug (re-raise it).
 
     2: bad input (the config, environment, data or a checkpoint); 1: a collective timed out or
-    lost a peer; 130: Ctrl-C before training started (stops inside it return their own codes).
-    ``before_start``: the error came from the recipe, before any process group (every local rank
-    of a torchrun node read the same files and raised the same): reported once per node.
+    lost a peer; 128 + the signal: SIGINT/SIGTERM before training started (stops inside it return
+    their own codes). ``before_start``: the error came from the recipe, before any process group
+    (every local rank of a torchrun node read the same files and raised the same): reported once
+    per node. Every rank leaves word of why it ends for its peers (``failures.report``): a rank whose
+    collective fails because a peer left says what that peer said, with its exit code (a data error
+    found by one rank ends every rank with it), or names the peer that ended without a word.
     """
     if before_start and isinstance(e, DistlibError):
         report_config_error(str(e))
         return 2
-    if (
-        isinstance(e, GradSyncTimeout)
-        and (message := describe(e, rank=getattr(context(), "rank", 0), timeout_s=timeout_s)) is not None
-    ):
-        code = 1  # a collective that timed out: another rank stalled or died (the runner has no uneven inputs)
+    rank = getattr(context(), "rank", 0)
+    described = describe(e, rank=rank, timeout_s=timeout_s)  # a collective's failure, or None
+    if isinstance(e, GradSyncTimeout) and described is not None:
+        message, code = described, 1  # another rank stalled or died (the runner has no uneven inputs)
     elif isinstance(e, DistlibError):
         message, code = str(e), 2
-    elif isinstance(e, KeyboardInterrupt):  # a second Ctrl-C, or one before training started
+    elif isinstance(e, Interrupted):  # a stop signal before training started
+        name = "" if e.signum == signal.SIGINT else f" by {signal.Signals(e.signum).name}"
+        message, code = f"interrupted{name}", 128 + e.signum
+    elif isinstance(e, KeyboardInterrupt):  # a second Ctrl-C
         message, code = "interrupted", 130
-    elif (message := describe(e, rank=getattr(context(), "rank", 0), timeout_s=timeout_s)) is not None:
-        code = 1
+    elif described is not None and " lost the connection " in described:
+        message, code = _after_a_lost_peer(e, described, rank, timeout_s)
+    elif described is not None:
+        message, code = described, 1
     else:  # a bug: its traceback says more than one line could
+        report(1, f"{type(e).__name__}: {str(e).strip()[:200]} (its traceback is in its output)")
         return None
+    report(code, message)
     print(f"error: {message}", file=sys.stderr, flush=True)
     return code
+
+
+def _after_a_lost_peer(e: BaseException, described: str, rank: int, timeout_s: float) -> tuple[str, int]:
+    """What a rank whose collective lost a peer says, and its exit code: what a peer that ended first said
+    (its stop or its error, with its code), or the ranks that ended, each with its reason or none."""
+    # this rank's own word first: a survivor is then never taken for a lost rank by another survivor
+    report(1, described)
+    reports = peer_reports()
+    for peer, said in sorted(reports.items()):
+        if said is not None and said["code"] != 1:  # an error of its own (bad input, a stop): the cause
+            message = said["message"]
+            return (message if message.startswith("(on rank") else f"(on rank {peer}) {message}"), said["code"]
+    gone = {peer: (said["message"] if said else None) for peer, said in reports.items()
+            if said is None or not said["message"].startswith(f"rank {peer} lost the connection")}  # fmt: skip
+    return describe(e, rank=rank, timeout_s=timeout_s, lost=gone) or described, 1
 
 
 def report_config_error(message: str) -> None:

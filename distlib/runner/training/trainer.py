@@ -311,8 +311,12 @@ class Trainer:
             self.timeline.note(final_checkpoint_s=round(time.perf_counter() - self._final_save_t0, 3))
         self.finished_rows = self.run.read_metrics()  # the summary is printed after the teardown
         self.metrics.training_done()  # curves.png appears shortly after the exit; trackers' runs finished
-        self.stop.close()
         self.timeline.mark("plot")
+        if self.stop.agree():  # a stop signal after the last check: the run is done, its end saved
+            if self.ctx.is_main:
+                self.log.warning("%s received during the run's last stage: the run is complete and its final "
+                                 "checkpoint saved in %s", self.stop.name, self.checkpoints.directory)  # fmt: skip
+            return self.stop.exit_code
         return 0
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -501,13 +505,15 @@ class Trainer:
         self.progress.close()
         if self.metrics is not None:
             self.metrics.close()
-        if self.stop is not None:
-            self.stop.restore_handlers()
+        if self.stop is not None:  # its handlers stay until the process ends: launch.py's (stop.catch)
+            self.stop.close(wait=error is None)
         if self.step_fn is not None:
             self.step_fn.close()
         if self.watchdog is not None:
             self.watchdog.close()
-        distlib.shutdown()  # the final barrier after success; nothing left to do after a failure
+        # the final barrier after success; after a failure, nothing left to do: no barrier, and a save in
+        # flight is not committed (a commit needs every rank), with a warning, not an error
+        distlib.shutdown(barrier=error is None)
         if self.finished_rows is not None:
             self.timeline.mark("shutdown")
             summary = self.timeline.finish()  # the last stamp the process can make; interpreter exit follows
