@@ -369,8 +369,8 @@ def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one(folder,
 @pytest.mark.parametrize(
     ("args", "names"),
     [
-        ({}, ["exactly one of config", "pretrained"]),
-        ({"config": TINY, "pretrained": "x"}, ["exactly one of config"]),
+        ({}, ["needs one of config", "pretrained"]),
+        ({"config": TINY, "pretrained": "x"}, ["not both", "model.args.config=null"]),
         ({"config": {"hidden_size": 8}}, ["needs model_type"]),
         ({"config": {"model_type": "lama"}}, ["'lama'", "did you mean 'llama'"]),
         ({"config": {**TINY, "hiden_size": 8}}, ["model.args.config.hiden_size", "did you mean 'hidden_size'"]),
