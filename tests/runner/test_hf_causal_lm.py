@@ -509,7 +509,7 @@ def test_an_exported_run_loads_with_from_pretrained_and_gives_its_validation_los
     monkeypatch.setattr(export_module, "PART_BYTES", 3_000)  # 23 rows of 128 bytes: across a rank's 128 (full)
     monkeypatch.setattr(CheckpointTensors, "_load", lambda *a: pytest.fail(f"read by dcp.load: {a[1]}"))
     done = export(out, str(tmp_path / "fp32"), "fp32")
-    assert done["files"] == ["config.json", "model.safetensors"]
+    assert done["files"] == ["config.json", "generation_config.json", "model.safetensors"]  # the folder's, kept
     with safe_open(str(tmp_path / "fp32" / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp32"))
