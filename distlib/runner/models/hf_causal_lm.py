@@ -7,14 +7,19 @@
         # or: pretrained: path/to/folder   (config.json + model.safetensors, or sharded with its index)
       block_class: LlamaDecoderLayer       # optional: the model's _no_split_modules by default
 
-The model (``HFCausalLM``) wraps the transformers model and returns its logits only, so the
-runner's loss, precision, sharding, compile and checkpoints apply as to the built-in GPT. Its
+The model (``HFCausalLM``) wraps the transformers model and returns its logits (a mixture of
+experts in training: its logits and its router's load-balancing loss, which the causal-LM task adds
+at the config's ``router_aux_loss_coef``), so the runner's loss, precision, sharding, compile and
+checkpoints apply as to the built-in GPT. ``attn_implementation`` defaults to the fastest the family
+allows (``attention``), and the recipe's check builds the model class on the meta device, so that
+what transformers refuses is a config error before any rank starts. Its
 ``blocks`` (the layers its ``_no_split_modules`` names, e.g. ``LlamaDecoderLayer``; the recipe's
 ``model.block_class`` instead when set) are the units that full sharding wraps one by one and
 per-block compile and activation checkpointing use (``distlib.find_blocks``). A pretrained model
 is built without initialisation and its weights are read once it is on its device
 (``load_pretrained``, called by the runner): under ``dist.shard=full`` after sharding, every
-rank reading only the rows of its shards (runner/hf/safetensors_folder.py).
+rank reading only the rows of its shards, in either of transformers' save formats
+(runner/hf/safetensors_folder.py, runner/hf/weight_names.py).
 
 transformers is an optional extra (``pip install 'distlib[hf]'``): imported only when a recipe
 names this model. Design: docs/huggingface.md.
