@@ -188,7 +188,8 @@ def _meta_build(hf_config: Any, requested: Any) -> list[str]:
 
 class HFCausalLM(nn.Module):
     """``logits = model(idx)``: a transformers causal LM (``self.hf``) called with ``input_ids``,
-    returning ``.logits`` only; idx (batch, time) token ids, logits (batch, time, vocab)."""
+    returning ``.logits``; idx (batch, time) token ids, logits (batch, time, vocab). A mixture of
+    experts with a load-balancing loss returns ``(logits, aux_loss)`` in training (``forward``)."""
 
     def __init__(self, hf: nn.Module, *, pretrained: str = ""):
         super().__init__()
