@@ -64,7 +64,7 @@ SHAPES: dict[str, tuple[str, dict]] = {
         tie_word_embeddings=True)),
     "gemma": ("Gemma-2B", dict(
         vocab_size=256000, hidden_size=2048, intermediate_size=16384, num_hidden_layers=18, num_attention_heads=8,
-        num_key_value_heads=1, head_dim=256, max_position_embeddings=8192, hidden_activation="gelu_pytorch_tanh",
+        num_key_value_heads=1, head_dim=256, max_position_embeddings=8192, hidden_act="gelu_pytorch_tanh",
         tie_word_embeddings=True)),
     "gemma2": ("Gemma-2-2B", dict(
         vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
@@ -107,8 +107,9 @@ def tiny_shape(family: str) -> dict:
         return dict(vocab_size=TOKEN_IDS, n_embd=32, n_layer=2, n_head=4, n_positions=64)
     _, shape = SHAPES[family]
     out = {k: v for k, v in shape.items() if k not in TINY and k != "rope_parameters"}
-    out.update({k: v for k, v in TINY.items() if k in shape or k in ("head_dim",)})
-    out["num_key_value_heads"] = min(shape.get("num_key_value_heads", 4), 4)
+    out.update({k: v for k, v in TINY.items() if k in shape})
+    if "num_key_value_heads" in shape:
+        out["num_key_value_heads"] = min(shape["num_key_value_heads"], 4)
     for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if out.get(k) is not None:
             out[k] = 0

@@ -538,9 +538,12 @@ def test_hf_families_shapes_build_and_the_table_shows_each_ratio():
     assert args.families == ["llama", "gemma2"] and args.steps > args.warmup
     with pytest.raises(SystemExit):
         hf_families.parse_args(["--families", "mixtral"])  # dense families only
+    from distlib.runner.models.hf_causal_lm import check_args
+
     for family in hf_families.SHAPES:
         for tiny in (False, True):
             config = hf_families.config_of(hf_families.parse_args(["--tiny"] if tiny else []), family)
+            assert check_args({"config": config}) == [], (family, tiny)  # what the runner's recipe check says
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
             n = sum(p.numel() for p in model.parameters())
