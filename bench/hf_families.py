@@ -44,6 +44,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+def rope(theta: float) -> dict:
+    """Plain rotary embeddings of base ``theta``, in transformers 5's form."""
+    return {"rope_type": "default", "rope_theta": theta}
+
+
 # family -> (what the shape is, its config); batch x sequence 8 x 2048 unless SEQ says otherwise
 SHAPES: dict[str, tuple[str, dict]] = {
     "llama": ("Llama-3.2-1B", dict(
@@ -56,12 +61,12 @@ SHAPES: dict[str, tuple[str, dict]] = {
         tie_word_embeddings=False)),
     "qwen2": ("Qwen2.5-0.5B", dict(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1e6,
+        num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_parameters=rope(1e6),
         tie_word_embeddings=True)),
     "qwen3": ("Qwen3-0.6B", dict(
         vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6,
-        tie_word_embeddings=True)),
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters=rope(1e6), tie_word_embeddings=True)),
     "gemma": ("Gemma-2B", dict(
         vocab_size=256000, hidden_size=2048, intermediate_size=16384, num_hidden_layers=18, num_attention_heads=8,
         num_key_value_heads=1, head_dim=256, max_position_embeddings=8192, hidden_act="gelu_pytorch_tanh",
@@ -81,7 +86,7 @@ SHAPES: dict[str, tuple[str, dict]] = {
         tie_word_embeddings=False)),
     "olmo2": ("OLMo-2-1B", dict(
         vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
-        num_key_value_heads=16, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=500000.0,
+        num_key_value_heads=16, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_parameters=rope(500000.0),
         pad_token_id=100277, bos_token_id=None, eos_token_id=100257, tie_word_embeddings=False)),
     "gpt2": ("GPT-2 large (774M)", dict(
         vocab_size=50257, n_embd=1280, n_layer=36, n_head=20, n_positions=1024)),
@@ -90,7 +95,7 @@ SHAPES: dict[str, tuple[str, dict]] = {
         rotary_pct=0.25, max_position_embeddings=2048, tie_word_embeddings=False)),
     "granite": ("Granite-3.1-2B", dict(
         vocab_size=49155, hidden_size=2048, intermediate_size=8192, num_hidden_layers=40, num_attention_heads=32,
-        num_key_value_heads=8, max_position_embeddings=131072, rope_theta=5e6, embedding_multiplier=12.0,
+        num_key_value_heads=8, max_position_embeddings=131072, rope_parameters=rope(5e6), embedding_multiplier=12.0,
         logits_scaling=8.0, residual_multiplier=0.22, attention_multiplier=0.015625, pad_token_id=0,
         bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)),
 }  # fmt: skip
