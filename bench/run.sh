@@ -48,6 +48,9 @@
 #                run's checkpoint exported back (python -m distlib.runner.export), replicated and with
 #                dist.shard=optimizer, against the disk's cold read and fsynced write of the same bytes;
 #                one command per shard mode (bench/hf_io.py; HFIO_ARGS adds arguments) ("Hugging Face Llama")
+#   families     every dense Hugging Face family's 0.5-3B shape through the runner against the compiled
+#                plain transformers loop (bench/baselines/hf_loop.py), tokens/s and their ratio, four
+#                families a command (bench/hf_families.py)                        ("Hugging Face families")
 #
 # Env: OUT (logs and JSON, default .bench/out), NPROC (processes, default every GPU), CIFAR (default
 # .bench/cifar10-jpeg.tar.gz), TEXT (default data/shakespeare.txt.gz, where the recipe reads it),
@@ -205,6 +208,12 @@ np.random.default_rng(0).integers(0, 128256, 4_000_000, dtype=np.uint32).tofile(
         # shellcheck disable=SC2086
         run hfio_optimizer $PY -m bench.hf_io --shard optimizer --reuse --json "$OUT/hf_io.jsonl" ${HFIO_ARGS:-}
         run hfio_report $PY -m bench.hf_io --report "$OUT/hf_io.jsonl"
+        ;;
+    families)
+        rm -f "$OUT/hf_families.jsonl"
+        for group in llama,mistral,qwen2,qwen3 gemma,gemma2,gemma3_text,phi3 olmo2,gpt2,gpt_neox,granite; do
+            run "families_${group%%,*}" $PY -m bench.hf_families --families "$group" --json "$OUT/hf_families.jsonl"
+        done
         ;;
     *)
         echo "unknown suite $suite (bash bench/run.sh --help)" | tee -a "$STATUS"

@@ -15,6 +15,7 @@ mfu_no_embedding with the output layer left out of the 6N as well), peak memory,
 from the start of the process to the end of the first (compiled) step.
 """
 import argparse
+import json
 import os
 import statistics
 import time
@@ -28,6 +29,9 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--recipe", default=os.path.join(ROOT, "recipes", "llama_1b.yaml"), help="its model.args.config")
+p.add_argument("--config-json", default="", help="the config (model_type and its keys) from this file instead")
+p.add_argument("--attn", default="auto", help="attn_implementation; auto: sdpa where the family supports it and "
+               "does not soft-cap its attention scores, else eager (as the runner's default)")  # fmt: skip
 p.add_argument("--batch", type=int, default=8, help="sequences")
 p.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
 p.add_argument("--steps", type=int, default=30, help="timed steps")
@@ -44,13 +48,23 @@ device = torch.device("cuda" if cuda else "cpu")
 if cuda:
     torch.backends.cuda.matmul.allow_tf32 = True
 torch.manual_seed(0)
-with open(args.recipe) as f:
-    config = dict(yaml.safe_load(f)["model"]["args"]["config"])
+if args.config_json:
+    with open(args.config_json) as f:
+        config = json.load(f)
+else:
+    with open(args.recipe) as f:
+        config = dict(yaml.safe_load(f)["model"]["args"]["config"])
 model_type = config.pop("model_type")
 cfg = AutoConfig.for_model(model_type, **config)
 cfg.use_cache = False
+attn = args.attn
+if attn == "auto":
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    sdpa = getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)], "_supports_sdpa", False)
+    attn = "sdpa" if sdpa and not getattr(cfg, "attn_logit_softcapping", None) else "eager"
 with torch.device(device):
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn)
 model.train()
 opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
 step_model = model if args.no_compile else torch.compile(model)
@@ -92,7 +106,8 @@ emb, out = model.get_input_embeddings().weight, model.get_output_embeddings().we
 matmul = n if out is emb else n - emb.numel()
 heads = cfg.num_attention_heads
 head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-attention = 12 * cfg.num_hidden_layers * heads * head_dim * args.seq
+qk, v = getattr(cfg, "qk_head_dim", None) or head_dim, getattr(cfg, "v_head_dim", None) or head_dim
+attention = 6 * cfg.num_hidden_layers * heads * (qk + v) * args.seq
 flops = 6 * matmul + attention
 flops_no_embedding = 6 * (matmul - out.numel()) + attention
 name = torch.cuda.get_device_name() if cuda else "cpu"
@@ -100,7 +115,7 @@ peak = args.peak_tflops * 1e12 or (989e12 if ("H100" in name or "H200" in name) 
 mfu = f"{flops * tokens / step_s / peak:.4f}" if peak else "-"
 mfu_ne = f"{flops_no_embedding * tokens / step_s / peak:.4f}" if peak else "-"
 mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-print(f"RESULT mode=hf-loop{'' if args.no_compile else '-compile'} params={n} step_ms={step_s * 1e3:.2f} "
+print(f"RESULT mode=hf-loop{'' if args.no_compile else '-compile'} attn={attn} params={n} step_ms={step_s * 1e3:.2f} "
       f"tokens_per_s={tokens / step_s:.0f} mfu={mfu} mfu_no_embedding={mfu_ne} "
       f"flops_per_token={flops} peak_mem_gib={mem:.1f} first_step_s={first_step_s:.1f} loss={loss.item():.4f}",
       flush=True)

@@ -300,9 +300,19 @@ def _apply(obj: Any, data: Any, prefix: str, problems: list[str]) -> None:
             value = value.for_type(tp)
         coerced = _coerce(value, tp, path, problems)
         if coerced is not None and typing.get_origin(tp) is dict:
-            setattr(obj, key, {**getattr(obj, key), **coerced})  # a.args.b=value adds to the recipe's args
+            setattr(obj, key, _merged(getattr(obj, key), coerced))  # a.args.b.c=value changes one key of b
         elif coerced is not None:
             setattr(obj, key, coerced)
+
+
+def _merged(base: dict, update: dict) -> dict:
+    """``base`` with ``update``'s keys, mappings in both merged key by key at every depth (an
+    override of ``model.args.config.x`` keeps the config's other keys); any other value replaces,
+    ``null`` too (``model.args.config=null`` drops the config)."""
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _merged(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
+    return out
 
 
 def _parse_override(item: str, problems: list[str]) -> dict | None:
@@ -329,7 +339,7 @@ def _parse_override(item: str, problems: list[str]) -> dict | None:
     return out
 
 
-def _validate(cfg: Config, problems: list[str]) -> None:
+def _validate(cfg: Config, problems: list[str], components: bool = True) -> None:
     """Checks of values that a type alone does not express."""
     positive = {
         "train.epochs": cfg.train.epochs if not cfg.train.max_steps else None,  # 0: max_steps alone ends the run
@@ -392,11 +402,12 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         ("run.mlflow", cfg.run.mlflow.enabled, "mlflow", "mlflow"),
         ("run.curves", cfg.run.curves == "on", "matplotlib", "plots"),
     ):
-        if wanted and importlib.util.find_spec(package) is None:
+        if components and wanted and importlib.util.find_spec(package) is None:
             on, off = ("on", "off") if path == "run.curves" else ("true", "false")
             problems.append(f"{path}={on}: the {package} package is not installed; pip install 'distlib[{extra}]', "
                             f"or set {path}={off}")  # fmt: skip
-    _check_components(cfg, problems)
+    if components:
+        _check_components(cfg, problems)
     _check_sharding(cfg, problems)
     if cfg.train.compile != "none" and cfg.dist.mode == "fallback":
         problems.append(
@@ -499,10 +510,13 @@ def _check_components(cfg: Config, problems: list[str]) -> None:
                             "vocabulary size; the config class's default is some other model's)")  # fmt: skip
 
 
-def load_config(recipe: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+def load_config(recipe: str | os.PathLike | None, overrides: list[str] = (), check_components: bool = True) -> Config:
     """Build the run config from a YAML recipe (or defaults) and CLI overrides.
 
-    Raises ConfigError listing every problem found.
+    Raises ConfigError listing every problem found. ``check_components=False`` leaves out the checks
+    of what running it needs on this machine (the named data set, model and loss: their files and
+    imports; the extras its outputs need): a finished run's config, read for its values (the export)
+    where those may be gone.
     """
     problems: list[str] = []
     cfg = Config()
@@ -527,7 +541,7 @@ def load_config(recipe: str | os.PathLike | None, overrides: list[str] = ()) -> 
         parsed = _parse_override(item, problems)
         if parsed is not None:
             _apply(cfg, parsed, "", problems)
-    _validate(cfg, problems)
+    _validate(cfg, problems, components=check_components)
     if problems:
         raise ConfigError(problems)
     if not cfg.run.name:
@@ -556,7 +570,9 @@ _CONFIGURATION_INTRO = """\
 
 Recipes are YAML files that hold only what differs from the defaults below; `a.b=value` on the
 command line overrides them, with the value converted to the key's type (`train.lr=1e-3`,
-`data.download=true`, `run.name=no` is the string "no"). Every problem in a recipe and its
+`data.download=true`, `run.name=no` is the string "no"); inside a mapping of arguments an override
+changes one key at any depth (`model.args.config.num_key_value_heads=1` keeps the config's other
+keys) and `null` drops one (`model.args.config=null`). Every problem in a recipe and its
 overrides is reported at once, before any process group starts and before anything is written,
 and the command exits with status 2. `python -m distlib.runner.config RECIPE [a.b=value ...]`
 checks a recipe and prints the resolved config.

@@ -523,3 +523,48 @@ def test_large_models_runs_tiny_on_the_cpu():
     assert all(r["shards_gib"] <= r["whole_gib"] for r in rows[:2])
     assert rows[2]["tokens_per_s"] > 0 and rows[3]["tokens_per_s"] > 0
     assert proc.stdout.rstrip().splitlines()[-1].startswith("| offload | gpt-2x64 |")
+
+
+def test_hf_families_shapes_build_and_the_table_shows_each_ratio():
+    """bench.hf_families: every shape is a config its family builds (on the meta device: no memory),
+    of 0.5 to 3B parameters; the tiny ones build as well; the table gives each family's ratio and
+    says which side failed."""
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bench import hf_families
+
+    args = hf_families.parse_args(["--families", "llama,gemma2"])
+    assert args.families == ["llama", "gemma2"] and args.steps > args.warmup
+    with pytest.raises(SystemExit):
+        hf_families.parse_args(["--families", "mixtral"])  # dense families only
+    from distlib.runner.models.hf_causal_lm import check_args
+
+    for family in hf_families.SHAPES:
+        for tiny in (False, True):
+            config = hf_families.config_of(hf_families.parse_args(["--tiny"] if tiny else []), family)
+            assert check_args({"config": config}) == [], (family, tiny)  # what the runner's recipe check says
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+            n = sum(p.numel() for p in model.parameters())
+            assert tiny or 0.45e9 < n < 3e9, (family, n)
+    rows = [{"family": "llama", "shape": "Llama-3.2-1B", "attn": "sdpa", "params": 1.24e9, "cuda": True,
+             "runner_tokens_per_s": 60000, "flops_per_token": 9e9, "baseline_tokens_per_s": 50000.0, "ratio": 1.2},
+            {"family": "gemma2", "shape": "Gemma-2-2B", "runner_error": "OOM", "baseline_tokens_per_s": 1}]  # fmt: skip
+    table = hf_families.table(rows).splitlines()
+    assert table[2] == "| llama | Llama-3.2-1B | sdpa | 1.24B | 60000 | 50000 | 1.2 | 54.6% |"
+    assert table[3] == "| gemma2 | Gemma-2-2B | - | - | failed | 1 | - | - |"
+
+
+@pytest.mark.slow
+def test_hf_families_runs_tiny_on_the_cpu(tmp_path):
+    """One family, tiny, through the runner's trainer and the baseline loop: a row with both rates."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "rows.jsonl"
+    cmd = [sys.executable, "-m", "bench.hf_families", "--tiny", "--families", "qwen2", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(out.read_text().splitlines()[-1])
+    assert row["runner_tokens_per_s"] > 0 and row["baseline_tokens_per_s"] > 0 and row["attn"] == "sdpa", row
+    assert row["ratio"] == pytest.approx(row["runner_tokens_per_s"] / row["baseline_tokens_per_s"], rel=1e-2)
+    assert proc.stdout.strip().splitlines()[-1].startswith("| qwen2 | tiny | sdpa |")

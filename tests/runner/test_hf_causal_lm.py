@@ -369,8 +369,8 @@ def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one(folder,
 @pytest.mark.parametrize(
     ("args", "names"),
     [
-        ({}, ["exactly one of config", "pretrained"]),
-        ({"config": TINY, "pretrained": "x"}, ["exactly one of config"]),
+        ({}, ["needs one of config", "pretrained"]),
+        ({"config": TINY, "pretrained": "x"}, ["not both", "model.args.config=null"]),
         ({"config": {"hidden_size": 8}}, ["needs model_type"]),
         ({"config": {"model_type": "lama"}}, ["'lama'", "did you mean 'llama'"]),
         ({"config": {**TINY, "hiden_size": 8}}, ["model.args.config.hiden_size", "did you mean 'hidden_size'"]),
@@ -514,7 +514,7 @@ def test_an_exported_run_loads_with_from_pretrained_and_gives_its_validation_los
     monkeypatch.setattr(export_module, "PART_BYTES", 3_000)  # 23 rows of 128 bytes: across a rank's 128 (full)
     monkeypatch.setattr(CheckpointTensors, "_load", lambda *a: pytest.fail(f"read by dcp.load: {a[1]}"))
     done = export(out, str(tmp_path / "fp32"), "fp32")
-    assert done["files"] == ["config.json", "model.safetensors"]
+    assert done["files"] == ["config.json", "generation_config.json", "model.safetensors"]  # the folder's, kept
     with safe_open(str(tmp_path / "fp32" / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp32"))

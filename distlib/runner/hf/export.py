@@ -67,7 +67,7 @@ def _run_config(run_dir: str) -> Config:
             "run's checkpoint converts with python -m distlib.checkpoint.sharded CHECKPOINT_DIR OUT.pt (a one-file "
             "checkpoint of an earlier version is a torch.load file with the state dict under ['state']['model'])"
         )
-    return load_config(path)
+    return load_config(path, check_components=False)  # the model's files are the export's to check
 
 
 def _newest_checkpoint(run_dir: str) -> tuple[str, str]:
@@ -189,10 +189,20 @@ def _write_safetensors(tensors: _Tensors, names: dict[str, str], path: str, dtyp
                              part_bytes=PART_BYTES, threads=READ_THREADS)  # fmt: skip
 
 
-def _export_hf(cfg: Config, tensors: _Tensors, out_dir: str, dtype: torch.dtype) -> None:
-    from distlib.runner.models.hf_causal_lm import hf_causal_lm
+def _export_hf(cfg: Config, tensors: _Tensors, out_dir: str, dtype: torch.dtype, run_dir: str) -> None:
+    import shutil
+
+    from distlib.runner.models.hf_causal_lm import RUN_FILES, hf_causal_lm
 
     args = {k: v for k, v in cfg.model.args.items() if k in ("config", "pretrained", "attn_implementation")}
+    saved = os.path.join(run_dir, RUN_FILES)
+    own = os.path.isfile(os.path.join(saved, "config.json"))
+    if own:  # the run's copy of the model's config (and tokenizer): nothing outside the run needed
+        args = {"pretrained": saved, "attn_implementation": args.get("attn_implementation", "auto")}
+    elif args.get("pretrained") and not os.path.isfile(os.path.join(args["pretrained"], "config.json")):
+        raise ExportError(f"the run has no {RUN_FILES}/config.json (runs of earlier versions) and its "
+                          f"model.args.pretrained folder {args['pretrained']!r} has none either: the model's "
+                          "config is needed to write config.json")  # fmt: skip
     with torch.device("meta"):  # the architecture only: its names, shapes, ties and config
         model = hf_causal_lm(**args)
     hf = model.hf
@@ -210,6 +220,9 @@ def _export_hf(cfg: Config, tensors: _Tensors, out_dir: str, dtype: torch.dtype)
     config.dtype = dtype
     config.architectures = [type(hf).__name__]
     config.save_pretrained(out_dir)
+    for name in sorted(os.listdir(saved)) if own else []:  # the tokenizer files the run kept
+        if name != "config.json":
+            shutil.copyfile(os.path.join(saved, name), os.path.join(out_dir, name))
 
 
 def _export_gpt(cfg: Config, tensors: _Tensors, out_dir: str, dtype: torch.dtype) -> None:
@@ -250,7 +263,7 @@ def export(run_dir: str, out_dir: str, dtype: str = "bf16") -> dict[str, Any]:
     cfg, tensors, source = _model_tensors(run_dir)
     try:
         if cfg.model.name == "hf_causal_lm":
-            _export_hf(cfg, tensors, out_dir, DTYPES[dtype])
+            _export_hf(cfg, tensors, out_dir, DTYPES[dtype], run_dir)
         else:
             _export_gpt(cfg, tensors, out_dir, DTYPES[dtype])
     finally:

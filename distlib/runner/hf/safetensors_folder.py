@@ -3,8 +3,12 @@
 
 ``read_into`` copies them into a module whose parameters are whole or sharded (FSDP2's DTensors),
 each rank reading only the rows its shards hold, so no rank ever holds the whole state dict. Tensor
-names are the module's own state-dict names; a parameter shared by several names (tied embeddings)
-is read once, under whichever name the files have.
+names are the module's own state-dict names or, for a transformers model, the names its family's
+checkpoints carry, which transformers converts as ``from_pretrained`` does (hf/weight_names.py): a
+renamed tensor is read like any other; tensors that transformers converts into one (a mixture of
+experts' per-expert matrices, stacked) are read whole and converted by transformers' operations,
+each rank keeping its part. A parameter shared by several names (tied embeddings) is read once,
+under whichever name the files have.
 
 How a folder is read: each file's JSON header gives every tensor's dtype, shape
 and byte range, checked against the model (and the file's size) before anything is read. A whole
@@ -28,13 +32,14 @@ import os
 import queue
 import threading
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from distlib import DistlibError
+from distlib.runner.hf import weight_names
 from distlib.runner.hf.dtypes import SAFETENSORS
 from distlib.runner.hf.positional_reads import read_exactly
 
@@ -290,15 +295,22 @@ def read_into(module: nn.Module, directory: str) -> int:
     dtype), each rank reading only the rows of its shards. Raises SafetensorsError naming the
     tensors that are missing, left over or of another shape. Returns the bytes this rank read."""
     files = weight_files(directory)
+    names = weight_names.plan(module, files)
+    targets = list(_targets(module))
+    by_name = {n: t for aliases, t in targets for n in aliases}
+    # what the conversions make: their first target and the others their patterns name
+    converted = {c.target.replace(c.converter.target_patterns[0], p): c for c in names.conversions
+                 for p in c.converter.target_patterns}  # fmt: skip
     plan: dict[str, list[tuple[str, torch.Tensor]]] = {}  # file -> (name in it, the tensor to fill)
-    missing, used = [], set()
-    for aliases, t in _targets(module):
-        found = next((n for n in aliases if n in files), None)
-        if found is None:
-            missing.append(aliases[0])
+    missing, used = [], {name for c in names.conversions for name, _ in c.sources}
+    for aliases, t in targets:
+        stored = [names.renamed[a] for a in aliases if a in names.renamed]
+        if not stored:
+            if not any(a in converted for a in aliases):
+                missing.append(aliases[0])
             continue
-        used.update(a for a in aliases if a in files)
-        plan.setdefault(files[found], []).append((found, t))
+        used.update(stored)
+        plan.setdefault(files[stored[0]], []).append((stored[0], t))
     unexpected = sorted(set(files) - used)
     if missing or unexpected:
         parts = []
@@ -349,6 +361,43 @@ def read_into(module: nn.Module, directory: str) -> int:
                     rows = f.get_slice(name)[index]
                     read += rows.numel() * rows.element_size()
                     local.copy_(rows.view(local.shape))
+    if names.conversions:
+        read += _read_converted(module, files, names.conversions, by_name)
+    return read
+
+
+def _read_converted(module: nn.Module, files: dict[str, str], conversions: list[weight_names.Conversion],
+                    tensors: dict[str, torch.Tensor]) -> int:  # fmt: skip
+    """The tensors transformers makes of several of the folder's (a mixture of experts' per-expert
+    matrices stacked into one): each source read whole, converted by transformers' operations, and
+    this rank's part of the result copied into its tensor. Returns the bytes read."""
+    import safetensors
+
+    read = 0
+    with contextlib.ExitStack() as stack:
+        opened: dict[str, Any] = {}
+
+        def tensor(name: str) -> torch.Tensor:
+            nonlocal read
+            path = files[name]
+            if path not in opened:
+                opened[path] = stack.enter_context(safetensors.safe_open(path, framework="pt", device="cpu"))
+            t = opened[path].get_tensor(name)
+            read += t.numel() * t.element_size()
+            return t
+
+        for conversion in conversions:
+            for name, whole in conversion.convert(module, tensor).items():
+                t = tensors.get(name)
+                if t is None:
+                    raise SafetensorsError(f"transformers converts {conversion.sources[0][0]} and others into "
+                                           f"{name}, which the model does not have")  # fmt: skip
+                if tuple(whole.shape) != tuple(t.shape):
+                    raise SafetensorsError(f"{name}: converted from {conversion.sources[0][0]} and others to shape "
+                                           f"{list(whole.shape)}, the model's is {list(t.shape)}")  # fmt: skip
+                local, index = _local_part(t)
+                if local.numel():
+                    local.copy_(whole[index])
     return read
 
 

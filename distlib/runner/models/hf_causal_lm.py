@@ -7,14 +7,19 @@
         # or: pretrained: path/to/folder   (config.json + model.safetensors, or sharded with its index)
       block_class: LlamaDecoderLayer       # optional: the model's _no_split_modules by default
 
-The model (``HFCausalLM``) wraps the transformers model and returns its logits only, so the
-runner's loss, precision, sharding, compile and checkpoints apply as to the built-in GPT. Its
+The model (``HFCausalLM``) wraps the transformers model and returns its logits (a mixture of
+experts in training: its logits and its router's load-balancing loss, which the causal-LM task adds
+at the config's ``router_aux_loss_coef``), so the runner's loss, precision, sharding, compile and
+checkpoints apply as to the built-in GPT. ``attn_implementation`` defaults to the fastest the family
+allows (``attention``), and the recipe's check builds the model class on the meta device, so that
+what transformers refuses is a config error before any rank starts. Its
 ``blocks`` (the layers its ``_no_split_modules`` names, e.g. ``LlamaDecoderLayer``; the recipe's
 ``model.block_class`` instead when set) are the units that full sharding wraps one by one and
 per-block compile and activation checkpointing use (``distlib.find_blocks``). A pretrained model
 is built without initialisation and its weights are read once it is on its device
 (``load_pretrained``, called by the runner): under ``dist.shard=full`` after sharding, every
-rank reading only the rows of its shards (runner/hf/safetensors_folder.py).
+rank reading only the rows of its shards, in either of transformers' save formats
+(runner/hf/safetensors_folder.py, runner/hf/weight_names.py).
 
 transformers is an optional extra (``pip install 'distlib[hf]'``): imported only when a recipe
 names this model. Design: docs/huggingface.md.
@@ -23,6 +28,7 @@ names this model. Design: docs/huggingface.md.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import inspect
@@ -81,7 +87,7 @@ def build_config(config: Mapping[str, Any], problems: list[str] | None = None) -
         try:
             cfg = transformers.AutoConfig.for_model(model_type, **kwargs)
         except Exception as e:  # the config class's own checks (head counts, rope parameters)
-            own.append(f"model.args.config: {type(e).__name__}: {e}")
+            own.append(f"model.args.config: {type(e).__name__}: {' '.join(str(e).split())}")  # one line
         if cfg is not None:
             fields = _config_fields(type(cfg))
             for key in kwargs:
@@ -107,11 +113,14 @@ def check_args(args: Mapping[str, Any]) -> list[str]:
     except ConfigError as e:
         return e.problems
     config, pretrained = args.get("config"), args.get("pretrained") or ""
-    if (config is None) == (not pretrained):
-        problems.append("model.args: hf_causal_lm needs exactly one of config (a mapping with model_type: build "
-                        "a new model) or pretrained (a local folder: config.json and safetensors)")  # fmt: skip
+    hf_config = None
+    if config is not None and pretrained:
+        problems.append(f"model.args: hf_causal_lm takes one of config or pretrained, not both: {BOTH}")
+    elif config is None and not pretrained:
+        problems.append("model.args: hf_causal_lm needs one of config (a mapping with model_type: build a new "
+                        "model) or pretrained (a local folder: config.json and safetensors)")  # fmt: skip
     elif config is not None:
-        build_config(config, problems)
+        hf_config = build_config(config, problems)
     else:
         from distlib.runner.hf.safetensors_folder import SafetensorsError, weight_files
 
@@ -121,18 +130,68 @@ def check_args(args: Mapping[str, Any]) -> list[str]:
         else:
             try:
                 weight_files(pretrained)
-                _transformers().AutoConfig.from_pretrained(pretrained, local_files_only=True)
+                hf_config = _transformers().AutoConfig.from_pretrained(pretrained, local_files_only=True)
             except SafetensorsError as e:
                 problems.append(f"model.args.pretrained: {e}")
-            except (OSError, ValueError) as e:  # a damaged or foreign config.json: transformers' own words
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-                problems.append(f"model.args.pretrained: {pretrained!r}: its config.json cannot be read: {first}")
+            except Exception as e:  # a damaged or foreign config.json: transformers' own words
+                problems.append(
+                    f"model.args.pretrained: {pretrained!r}: its config.json cannot be read: {_first_line(e)}"
+                )
+    if hf_config is not None:
+        problems.extend(_meta_build(hf_config, args.get("attn_implementation", "auto")))
     return problems
+
+
+# how to drop one of config and pretrained when a recipe has one and the command line gives the other
+BOTH = "drop one on the command line with model.args.config=null or model.args.pretrained=null"
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def attention(hf_config: Any, requested: str | None = "auto") -> str:
+    """transformers' attention implementation for ``requested``: ``auto`` is the fastest the family
+    allows of torch's own kernels, ``sdpa`` (scaled_dot_product_attention: flash attention on GPUs)
+    when its model class supports it, else ``eager``. A config that soft-caps the attention scores
+    (Gemma 2's ``attn_logit_softcapping``) gets ``eager``: sdpa has no soft-capping (transformers 5.17
+    runs Gemma 2 under sdpa without it, later releases refuse sdpa for it). Anything else (``eager``,
+    ``flex_attention``, ...) as given."""
+    if requested not in (None, "", "auto"):
+        return requested
+    if getattr(hf_config.get_text_config(), "attn_logit_softcapping", None):
+        return "eager"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    except KeyError:
+        return "sdpa"
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+def _meta_build(hf_config: Any, requested: Any) -> list[str]:
+    """The model class of ``hf_config`` built on the meta device (no memory, no initialisation),
+    with the attention asked for: what transformers refuses, as one line, before any rank starts."""
+    if not isinstance(requested, str):
+        return [f"model.args.attn_implementation: expected a name (auto, sdpa, eager, ...), got {requested!r}"]
+    transformers = _transformers()
+    attn = attention(hf_config, requested)
+    try:
+        with torch.device("meta"), _no_init_weights():
+            transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn)
+    except Exception as e:
+        key = "model.args.attn_implementation" if requested not in ("", "auto") else "model.args"
+        return [f"{key}: transformers cannot build {type(hf_config).__name__.removesuffix('Config')} "
+                f"with attn_implementation={attn!r}: {_first_line(e)}"]  # fmt: skip
+    return []
 
 
 class HFCausalLM(nn.Module):
     """``logits = model(idx)``: a transformers causal LM (``self.hf``) called with ``input_ids``,
-    returning ``.logits`` only; idx (batch, time) token ids, logits (batch, time, vocab)."""
+    returning ``.logits``; idx (batch, time) token ids, logits (batch, time, vocab). A mixture of
+    experts with a load-balancing loss returns ``(logits, aux_loss)`` in training (``forward``)."""
 
     def __init__(self, hf: nn.Module, *, pretrained: str = ""):
         super().__init__()
@@ -140,8 +199,20 @@ class HFCausalLM(nn.Module):
         self.pretrained = pretrained
         # transformers' list of the layers not to split over devices: its repeated blocks
         self.block_names = tuple(sorted(getattr(hf, "_no_split_modules", None) or ()))
+        # a mixture of experts with a load-balancing loss: its weight in the training loss (the
+        # config's router_aux_loss_coef, as transformers adds it to .loss); None without one
+        c = hf.config.get_text_config()
+        takes = "output_router_logits" in inspect.signature(hf.forward).parameters
+        coef = getattr(c, "router_aux_loss_coef", None) if takes else None
+        self.aux_loss_coef: float | None = float(coef) if coef else None
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The logits; in training, a mixture of experts with a load-balancing loss returns
+        ``(logits, aux_loss)``: the causal-LM task adds ``aux_loss_coef * aux_loss`` to its loss,
+        as transformers' ``.loss`` does, and reports ``aux_loss`` on its own."""
+        if self.aux_loss_coef is not None and self.training:
+            out = self.hf(input_ids=idx, use_cache=False, output_router_logits=True)
+            return out.logits, out.aux_loss
         return self.hf(input_ids=idx, use_cache=False).logits
 
     @property
@@ -191,40 +262,78 @@ class HFCausalLM(nn.Module):
         tied = out is not None and out.weight is emb.weight
         return n if tied else n - emb.weight.numel()
 
+    def active_params(self, embeddings: bool = True) -> int:
+        """``num_params``, the routed experts of a mixture of experts counted as the share a token
+        uses (``num_experts_per_tok`` of them): the parameters each token computes with."""
+        c = self.hf.config.get_text_config()
+        experts = next((getattr(c, k) for k in EXPERTS if getattr(c, k, None)), 0)
+        n = self.num_params(embeddings)
+        if not experts:
+            return n
+        routed = sum(p.numel() for name, p in self.named_parameters()
+                     if ".experts." in f".{name}" and p.ndim and p.shape[0] == experts)  # fmt: skip
+        return n - routed + routed * c.num_experts_per_tok // experts
+
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token, counted as for the built-in GPT: 6 per weight of the matrix
-        products (the output layer included, tied or not; not an untied input embedding) and
-        12 * layers * (heads * head_dim) * seq_len for attention's scores and weighted values."""
+        products a token goes through (the output layer included, tied or not; not an untied input
+        embedding; of a mixture of experts the experts it is routed to) and
+        6 * layers * heads * (query/key + value head dims) * seq_len for attention's scores and
+        weighted values (12 * layers * heads * head_dim * seq_len where the two are one size)."""
         c = self.hf.config.get_text_config()
         heads = getattr(c, "num_attention_heads", 0) or 0
         head_dim = getattr(c, "head_dim", None) or (c.hidden_size // heads if heads else 0)
+        qk = getattr(c, "qk_head_dim", None) or head_dim  # multi-head latent attention's (DeepSeek-V3) differ
+        v = getattr(c, "v_head_dim", None) or head_dim
         layers = getattr(c, "num_hidden_layers", 0) or 0
-        return 6 * self.num_params(embeddings=False) + 12 * layers * heads * head_dim * seq_len
+        return 6 * self.active_params(embeddings=False) + 6 * layers * heads * (qk + v) * seq_len
+
+    def save_files(self, run_dir: str) -> list[str]:
+        """The model's ``config.json`` (what builds it again, with no other folder) and, from a
+        pretrained folder, its tokenizer and generation files, into ``run_dir``'s ``RUN_FILES``: the
+        run's own copy, which the export reads. Returns the names written."""
+        import shutil
+
+        directory = os.path.join(run_dir, RUN_FILES)
+        os.makedirs(directory, exist_ok=True)
+        config = copy.deepcopy(self.hf.config)
+        config.use_cache = True  # for whoever loads it; training turned it off
+        config.save_pretrained(directory)
+        written = ["config.json"]
+        for name in sorted(os.listdir(self.pretrained)) if self.pretrained else []:
+            if name in TOKENIZER_FILES or name.endswith(".jinja"):
+                shutil.copyfile(os.path.join(self.pretrained, name), os.path.join(directory, name))
+                written.append(name)
+        return written
 
 
 def hf_causal_lm(
     config: dict | None = None,
     pretrained: str = "",
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     vocab_size: int | None = None,
 ) -> HFCausalLM:
     """A transformers causal LM from ``config`` (``model_type`` and the config class's keys; the
     vocabulary the data's when it gives none), or from the local folder ``pretrained``
     (``config.json`` and safetensors). ``attn_implementation``: transformers' attention kernel
-    (``sdpa``: torch's scaled_dot_product_attention, flash attention on GPUs). ``vocab_size``: the
+    (``auto``: ``sdpa``, torch's scaled_dot_product_attention, flash attention on GPUs, when the
+    family supports it, else ``eager``; see ``attention``). ``vocab_size``: the
     data's (given by the runner), checked against the model's. Built in fp32 (the runner's
     precision casts) in the current default device; a pretrained model uninitialised:
     ``load_pretrained()`` reads its weights (the runner calls it once the model is on its device,
     and sharded)."""
     transformers = _transformers()
-    if (config is None) == (not pretrained):
-        raise ConfigError(["model.args: hf_causal_lm needs exactly one of config or pretrained"])
+    if config is not None and pretrained:
+        raise ConfigError([f"model.args: hf_causal_lm takes one of config or pretrained, not both: {BOTH}"])
+    if config is None and not pretrained:
+        raise ConfigError(["model.args: hf_causal_lm needs one of config or pretrained"])
     if pretrained:
         try:
             hf_config = transformers.AutoConfig.from_pretrained(pretrained, local_files_only=True)
         except (OSError, ValueError) as e:  # missing, damaged or foreign config.json: transformers' own words
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            raise ConfigError([f"model.args.pretrained={pretrained!r}: its config.json cannot be read: {first}"]) from e
+            raise ConfigError(
+                [f"model.args.pretrained={pretrained!r}: its config.json cannot be read: {_first_line(e)}"]
+            ) from e
     else:
         config = dict(config)
         if vocab_size is not None and "vocab_size" not in config:
@@ -237,8 +346,8 @@ def hf_causal_lm(
     # pretrained: its weights replace the initialisation, which is skipped
     skip_init = _no_init_weights() if pretrained else contextlib.nullcontext()
     with skip_init:
-        hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
-                                                           attn_implementation=attn_implementation)  # fmt: skip
+        attn = attention(hf_config, attn_implementation)
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation=attn)
     hf.tie_weights()  # skipped with the initialisation
     return HFCausalLM(hf, pretrained=pretrained)
 
@@ -251,6 +360,14 @@ def _no_init_weights() -> contextlib.AbstractContextManager:
     return no_init_weights()
 
 
+# the folder of a run directory that save_files writes: the model's config.json and tokenizer files
+RUN_FILES = "hf_model"
+# the config keys that give a mixture of experts' number of routed experts, by family
+EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
+# what a pretrained folder holds besides its weights that a run keeps with its config (save_files)
+TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                             "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json"})  # fmt: skip
+
 hf_causal_lm.check_args = check_args  # components.check calls it when the recipe is loaded
 
-__all__ = ["HFCausalLM", "build_config", "check_args", "hf_causal_lm"]
+__all__ = ["HFCausalLM", "attention", "build_config", "check_args", "hf_causal_lm"]

@@ -25,6 +25,7 @@ from distlib.runner.data.errors import DataError
 from distlib.runner.data.text import IGNORED, TokenLoader, eval_windows
 from distlib.runner.observability.throughput import flops_per_token, gpus_per_process, mfu, peak_tflops
 from distlib.runner.observability.timeline import Timeline
+from distlib.runner.tasks.losses import LossFn
 from distlib.runner.tasks.task import Task, dataset_loaders
 
 
@@ -67,6 +68,35 @@ class CausalLMTask(Task):
             self.timeline.mark("data")
             self.timeline.mark("loader")
         self.per_sample = self.block_size
+
+    def loss_fn(self, model: nn.Module | None = None) -> LossFn:
+        """The loss of the logits; for a model whose training forward returns ``(logits, aux_loss)``
+        (a mixture of experts with a load-balancing loss, ``aux_loss_coef`` its weight: hf_causal_lm)
+        plus ``aux_loss_coef * aux_loss``, as transformers' ``.loss``, ``aux_loss`` kept for
+        ``train_metrics`` (summed on the device: no host sync, and captured by a CUDA graph)."""
+        base = super().loss_fn(model)
+        coef = getattr(model, "aux_loss_coef", None)
+        if coef is None:
+            return base
+        self._aux = aux_sum = torch.zeros(2, device=self.ctx.device)  # summed aux_loss, the losses summed
+
+        def loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+            if not isinstance(outputs, tuple):
+                return base(outputs, targets)
+            logits, aux = outputs
+            aux_sum.add_(torch.stack([aux.detach().float(), torch.ones((), device=aux.device)]))
+            return base(logits, targets) + coef * aux.float()
+
+        return loss
+
+    def train_metrics(self, collect: bool = True) -> dict[str, Any]:
+        aux = getattr(self, "_aux", None)
+        if aux is None:
+            return {}
+        sums = distlib.all_reduce(aux.clone()) if collect else aux
+        out = {"aux_loss": round(sums[0].item() / sums[1].item(), 5)} if collect and sums[1].item() else {}
+        aux.zero_()  # in place: a captured step adds into this storage
+        return out
 
     def model_inputs(self) -> dict[str, Any]:
         out = {"block_size": self.block_size}

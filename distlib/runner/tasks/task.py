@@ -39,12 +39,19 @@ class Task:
         """Keyword arguments the model gets when it takes them and model.args does not set them."""
         return {}
 
-    def loss_fn(self) -> LossFn:
-        """``loss(outputs, targets)``: loss.name with loss.args (and train.label_smoothing if it takes it)."""
+    def loss_fn(self, model: nn.Module | None = None) -> LossFn:
+        """``loss(outputs, targets)`` of ``model``'s outputs: loss.name with loss.args (and
+        train.label_smoothing if it takes it)."""
         c = self.cfg.loss
         fn = components.resolve("loss", c.name)
         kwargs = {**components.accepted(fn, {"label_smoothing": self.cfg.train.label_smoothing}), **c.args}
         return lambda outputs, targets: fn(outputs, targets, **kwargs)
+
+    def train_metrics(self, collect: bool = True) -> dict[str, Any]:
+        """What the loss reported besides itself (metrics.jsonl keys), averaged over the training steps
+        since the last call and over the ranks, then started again; ``collect=False`` only starts
+        again (no collective: the warm-up's steps left out)."""
+        return {}
 
     def warm_up_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One training batch on the device, for the warm-up's steps."""

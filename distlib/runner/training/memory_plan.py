@@ -565,10 +565,14 @@ def measure_step(
                     model.set_requires_gradient_sync(k == spec.grad_accum - 1 or spec.accumulate == "sharded")
                 with autocast:
                     out = model(x)
+                    # a mixture of experts in training: (logits, aux_loss), the aux term added to the loss
+                    out, aux = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
                     if shard == "full" and out.dtype != torch.float32:
                         out = out.float()  # the runner's step: the loss in fp32
                     loss = _CompiledLoss.apply(out) if spec.compiled_loss else spec.loss_fn(out, y)
-                del out
+                    if aux is not None:
+                        loss = loss + aux.float()
+                del out, aux
                 loss.backward()
                 del loss
             if spec.clip:

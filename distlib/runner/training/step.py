@@ -155,6 +155,10 @@ class ReplicasStep(TrainStep):
         self.replicas.sync_buffers()  # BatchNorm statistics averaged over every GPU into the root
 
 
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype == torch.bfloat16 else t
+
+
 def build_step(
     cfg: Config,
     ctx: Context,
@@ -221,8 +225,8 @@ def build_step(
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast:
             out = net(x)
-            if shard == "full" and out.dtype == torch.bfloat16:
-                out = out.float()  # as autocast would: the loss's softmax and log in fp32
+            if shard == "full":  # as autocast would: the loss's softmax and log in fp32
+                out = (_fp32(out[0]), *out[1:]) if isinstance(out, tuple) else _fp32(out)
             return loss_fn(out, y)
 
     return GradSyncStep(model, opt, sync, loss_of, update=update, grad_accum=t.grad_accum,

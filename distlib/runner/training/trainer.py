@@ -150,7 +150,7 @@ class Trainer:
         self.ema: distlib.EMA | None = None
         self.step_fn = build_step(cfg, ctx, model, self.build_optimizer(model), self.per_rank,
                                   post_step=(lambda: self.ema.update()) if t.ema > 0 else None,
-                                  loss_fn=self.task.loss_fn())  # fmt: skip
+                                  loss_fn=self.task.loss_fn(model))  # fmt: skip
         self.optimizer = self.step_fn.optimizer  # built by the step: sharded with dist.shard=optimizer
         if t.ema > 0:  # the weights the step broadcast, where the optimizer keeps them
             self.ema = distlib.EMA(model, ema_decay(t.ema, 0))
@@ -163,6 +163,8 @@ class Trainer:
         self.autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None)
         self.run = RunDir(cfg.run.out_dir, ctx.is_main)
         self.run.write_text("config.yaml", dump_yaml(cfg))
+        if ctx.is_main and callable(save_files := getattr(model, "save_files", None)):
+            save_files(self.run.path)  # what builds the model again (its config): the export needs no more
         self.run.write_text("environment.json", environment_json(ctx))  # a collective: every rank calls it
         self.log.info(
             "%s (%s): %d params, %d train / %d evaluation samples, global batch %d over %d rank(s), %d steps/epoch",
@@ -300,6 +302,7 @@ class Trainer:
                             total_steps=self.budget.total_steps)  # fmt: skip
         self.profiler.start()
         self.timeline.training_started()
+        self.task.train_metrics(collect=False)  # what the warm-up's steps added
         while not self.budget.done(self.global_step):
             if not self.train_epoch():
                 return self.stop.exit_code
@@ -385,6 +388,7 @@ class Trainer:
         evaluates = budget.evaluates(step)
         logs = ends_epoch or evaluates
         train_loss = distlib.all_reduce(s.loss_sum.clone(), op="mean").item() / steps if logs else 0.0
+        train_metrics = self.task.train_metrics() if logs else {}
         if ends_epoch:
             s.epoch, s.step, s.train_s, s.epoch_s = epoch, 0, s.train_s + s.epoch_s, 0.0
         final_save = final and budget.checkpoints(step) and self.cfg.run.final_checkpoint != "none"
@@ -404,6 +408,7 @@ class Trainer:
                 "step": step,
                 **self.task.seen(step * t.batch_size),
                 "train_loss": round(train_loss, 5),  # the mean over this epoch's steps so far
+                **train_metrics,  # a mixture of experts' aux_loss: the mean since the last row
                 **results,
                 **self.task.rates(samples_per_s, self.model),
                 "samples_per_s": round(samples_per_s, 1),

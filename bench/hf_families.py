@@ -1,0 +1,291 @@
+"""Every dense Hugging Face family through the runner against the plain compiled transformers loop,
+on one GPU: tokens/s of each, their ratio, one table.
+
+    python -m bench.hf_families                                   # every dense family, 8 x 2048 tokens
+    python -m bench.hf_families --families llama,qwen2,gemma2     # some of them
+    python -m bench.hf_families --tiny                            # tiny shapes on the CPU (the test)
+
+For each family, in a process of its own: the model of ``SHAPES[family]`` (the config of a released
+0.5-3B checkpoint of that family, or that family's layer at a 1-2B size where none is released:
+the table says which) is trained
+
+1. by ``bench/baselines/hf_loop.py`` on that config, batch and attention (the runner's default for
+   the family), in a process of its own: ``model(input_ids=x, labels=x).loss`` under bf16 autocast,
+   fused AdamW, clipping, ``torch.compile(model)``;
+2. then by the runner, in the family's process: a recipe of ``model.name: hf_causal_lm`` with that
+   config, bf16, AdamW, clipping, each decoder layer compiled (``train.compile=blocks``), one GPU,
+   random token ids in a token file; ``Trainer.build`` as launch.py runs it (the model, the step,
+   its warm-up), then ``--steps`` timed calls of the trainer's own ``train_step`` on one batch (the
+   schedule included; no evaluation or checkpoint).
+
+Both print tokens/s from the median step; MFU counts the runner's FLOPs per token (6 per weight of
+the matrix products, attention's 6 * layers * heads * (qk + v head dims) * sequence). Every row is
+a JSON line in ``--json``; the table comes last. The run of every family takes about 1-1.5 minutes
+(the baseline's whole-model compile is most of it): ``--families`` splits the families over calls.
+BENCHMARKS.md, "Hugging Face families".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+if __package__ in (None, ""):  # run as `python bench/hf_families.py`: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+def rope(theta: float) -> dict:
+    """Plain rotary embeddings of base ``theta``, in transformers 5's form."""
+    return {"rope_type": "default", "rope_theta": theta}
+
+
+# family -> (what the shape is, its config); batch x sequence 8 x 2048 unless SEQ says otherwise
+SHAPES: dict[str, tuple[str, dict]] = {
+    "llama": ("Llama-3.2-1B", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)),
+    "mistral": ("Mistral layer, 16 x 2048 (1.2B)", dict(
+        vocab_size=32768, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, max_position_embeddings=32768, sliding_window=None,
+        tie_word_embeddings=False)),
+    "qwen2": ("Qwen2.5-0.5B", dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_parameters=rope(1e6),
+        tie_word_embeddings=True)),
+    "qwen3": ("Qwen3-0.6B", dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters=rope(1e6), tie_word_embeddings=True)),
+    "gemma": ("Gemma-2B", dict(
+        vocab_size=256000, hidden_size=2048, intermediate_size=16384, num_hidden_layers=18, num_attention_heads=8,
+        num_key_value_heads=1, head_dim=256, max_position_embeddings=8192, hidden_act="gelu_pytorch_tanh",
+        tie_word_embeddings=True)),
+    "gemma2": ("Gemma-2-2B", dict(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, max_position_embeddings=8192, sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+        tie_word_embeddings=True)),
+    "gemma3_text": ("Gemma-3-1B", dict(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, max_position_embeddings=32768, sliding_window=512,
+        query_pre_attn_scalar=256, tie_word_embeddings=True)),
+    "phi3": ("Phi-3-mini layer, 16 of its 32 (1.9B)", dict(
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=32, max_position_embeddings=4096, pad_token_id=32000, bos_token_id=1, eos_token_id=32000,
+        tie_word_embeddings=False)),
+    "olmo2": ("OLMo-2-1B", dict(
+        vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_parameters=rope(500000.0),
+        pad_token_id=100277, bos_token_id=None, eos_token_id=100257, tie_word_embeddings=False)),
+    "gpt2": ("GPT-2 large (774M)", dict(
+        vocab_size=50257, n_embd=1280, n_layer=36, n_head=20, n_positions=1024)),
+    "gpt_neox": ("Pythia-1B", dict(
+        vocab_size=50304, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=8,
+        rotary_pct=0.25, max_position_embeddings=2048, tie_word_embeddings=False)),
+    "granite": ("Granite-3.1-2B", dict(
+        vocab_size=49155, hidden_size=2048, intermediate_size=8192, num_hidden_layers=40, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=131072, rope_parameters=rope(5e6), embedding_multiplier=12.0,
+        logits_scaling=8.0, residual_multiplier=0.22, attention_multiplier=0.015625, pad_token_id=0,
+        bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)),
+}  # fmt: skip
+SEQ = {"gpt2": (16, 1024)}  # its 1024 positions: the same tokens a step
+TOKEN_IDS = 32000  # random ids below every family's vocabulary
+PEAK = 989e12  # dense bf16 FLOP/s of an H100/H200
+TINY = dict(vocab_size=TOKEN_IDS, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64)  # fmt: skip
+
+
+def tiny_shape(family: str) -> dict:
+    """A small config of ``family``: the keys of its shape, at tiny sizes."""
+    if family == "gpt2":
+        return dict(vocab_size=TOKEN_IDS, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    _, shape = SHAPES[family]
+    out = {k: v for k, v in shape.items() if k not in TINY and k != "rope_parameters"}
+    out.update({k: v for k, v in TINY.items() if k in shape})
+    if "num_key_value_heads" in shape:
+        out["num_key_value_heads"] = min(shape["num_key_value_heads"], 4)
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if out.get(k) is not None:
+            out[k] = 0
+    return out
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.hf_families", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--families", default=",".join(SHAPES), help="comma-separated, of: " + ", ".join(SHAPES))
+    p.add_argument("--steps", type=int, default=8, help="timed steps of each")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the baseline's first compiles)")
+    p.add_argument("--batch", type=int, default=8, help="sequences a step")
+    p.add_argument("--seq", type=int, default=2048, help="tokens a sequence")
+    p.add_argument("--json", default=os.path.join(ROOT, ".bench", "out", "hf_families.jsonl"))
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU, 2 steps (the test)")
+    p.add_argument("--child", default="", help=argparse.SUPPRESS)
+    p.add_argument("--work", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.families = [f for f in args.families.split(",") if f]
+    unknown = [f for f in args.families if f not in SHAPES]
+    if unknown:
+        p.error(f"--families: unknown {', '.join(unknown)} (known: {', '.join(SHAPES)})")
+    if args.tiny:
+        args.steps, args.warmup, args.batch, args.seq = 2, 1, 2, 32
+    return args
+
+
+def config_of(args: argparse.Namespace, family: str) -> dict:
+    return {"model_type": family, **(tiny_shape(family) if args.tiny else SHAPES[family][1])}
+
+
+def batch_of(args: argparse.Namespace, family: str) -> tuple[int, int]:
+    if args.tiny or family not in SEQ:
+        return args.batch, args.seq
+    return SEQ[family]
+
+
+def token_file(directory: str, n: int) -> str:
+    import numpy as np
+
+    path = os.path.join(directory, "tokens.bin")
+    np.random.default_rng(0).integers(0, TOKEN_IDS, n, dtype=np.uint32).tofile(path)
+    return path
+
+
+def runner_row(args: argparse.Namespace, family: str, work: str) -> dict:
+    """The runner's trainer on ``family``, in this process: its build (warm-up included) and timed steps."""
+    import torch
+    import yaml
+
+    import distlib
+    from distlib.runner.config import load_config
+    from distlib.runner.training.trainer import Trainer
+
+    batch, seq = batch_of(args, family)
+    data = token_file(work, max(200_000, 40 * batch * seq))  # its 1% for validation: a few windows
+    recipe = {
+        "data": {"name": "token_file", "root": data, "args": {"block_size": seq, "dtype": "uint32",
+                                                               "val_frac": 0.01}},
+        "model": {"name": "hf_causal_lm", "args": {"config": config_of(args, family)}},
+        "train": {"epochs": 1, "batch_size": batch, "optimizer": "adamw", "lr": 3e-4, "weight_decay": 0.1,
+                  "label_smoothing": 0.0, "warmup_frac": 0.0, "precision": "bf16", "clip_grad_norm": 1.0,
+                  "compile": "blocks", "sample_tokens": 0, "prewarm_steps": args.warmup},
+        "run": {"out_dir": os.path.join(work, "run"), "resume": False, "progress": "plain"},
+    }  # fmt: skip
+    path = os.path.join(work, "recipe.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(recipe, f)
+    cfg = load_config(path, ["train.compile=none", "train.compile_backend=inductor"] if args.tiny else [])
+    ctx = distlib.init()
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, ctx)
+    try:
+        trainer.build()
+        build_s = time.perf_counter() - t0
+        x, y = trainer.task.warm_up_batch()
+        cuda = ctx.device.type == "cuda"
+        times = []
+        for _ in range(args.steps + (0 if cuda else args.warmup)):
+            t = time.perf_counter()
+            trainer.train_step(x, y)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        step_s = statistics.median(times[-args.steps :])
+        model = trainer.model
+        flops = model.flops_per_token(seq)
+        mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+        return {"family": family, "params": model.num_params(), "attn": model.config._attn_implementation, "cuda": cuda,
+                "runner_tokens_per_s": round(batch * seq / step_s), "runner_build_s": round(build_s, 1),
+                "flops_per_token": flops, "runner_peak_gib": round(mem, 1)}  # fmt: skip
+    finally:
+        trainer.close()
+
+
+def baseline_row(args: argparse.Namespace, family: str, attn: str, work: str) -> dict:
+    """bench/baselines/hf_loop.py on the same config, batch and attention, in its own process."""
+    batch, seq = batch_of(args, family)
+    path = os.path.join(work, "baseline.json")
+    with open(path, "w") as f:
+        json.dump(config_of(args, family), f)
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "baselines", "hf_loop.py"), "--config-json", path,
+           "--batch", str(batch), "--seq", str(seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--attn", attn, *(["--no-compile"] if args.tiny else [])]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = re.search(r"RESULT .*", proc.stdout)
+    if proc.returncode or not found:
+        return {"baseline_error": (proc.stdout + proc.stderr)[-1500:]}
+    fields = dict(kv.split("=", 1) for kv in found.group(0).split()[1:])
+    return {"baseline_tokens_per_s": float(fields["tokens_per_s"]),
+            "baseline_first_step_s": float(fields["first_step_s"]),
+            "baseline_peak_gib": float(fields["peak_mem_gib"])}  # fmt: skip
+
+
+def child(args: argparse.Namespace) -> int:
+    family = args.child
+    with tempfile.TemporaryDirectory(dir=args.work or None) as work:
+        row = {"family": family, "shape": "tiny" if args.tiny else SHAPES[family][0]}
+        # the baseline first, in its own process: this one holds nothing on the GPU meanwhile
+        # (auto: the same attention as the runner's default, which the row's "attn" shows)
+        row.update(baseline_row(args, family, "auto", work))
+        try:
+            row.update(runner_row(args, family, work))
+        except Exception as e:  # the row says so; the other families still run
+            row["runner_error"] = f"{type(e).__name__}: {e}"[-1500:]
+    if "runner_tokens_per_s" in row and "baseline_tokens_per_s" in row:
+        row["ratio"] = round(row["runner_tokens_per_s"] / row["baseline_tokens_per_s"], 3)
+    print("ROW " + json.dumps(row), flush=True)
+    return 0
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table of ``rows``: a failed side says so."""
+    lines = ["| family | shape | attention | params | runner tok/s | hf_loop compiled tok/s | ratio | runner MFU |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        tps, base = r.get("runner_tokens_per_s"), r.get("baseline_tokens_per_s")
+        mfu = f"{tps * r['flops_per_token'] / PEAK:.1%}" if tps and r.get("cuda") else "-"
+        params = f"{r['params'] / 1e9:.2f}B" if "params" in r else "-"
+        lines.append(f"| {r['family']} | {r['shape']} | {r.get('attn', '-')} | {params} | {tps or 'failed'} | "
+                     f"{round(base) if base else 'failed'} | {r.get('ratio', '-')} | {mfu} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.child:
+        return child(args)
+    rows = []
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    for family in args.families:
+        cmd = [sys.executable, "-m", "bench.hf_families", "--child", family, "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
+               *(["--tiny"] if args.tiny else [])]  # fmt: skip
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        found = re.search(r"^ROW (.*)$", proc.stdout, re.M)
+        row = json.loads(found.group(1)) if found else {"family": family, "shape": "?", "error": proc.stderr[-1500:]}
+        row["wall_s"] = round(time.perf_counter() - t0, 1)
+        print(json.dumps(row), flush=True)
+        for key in ("runner_error", "baseline_error", "error"):
+            if key in row:
+                print(f"{family} {key}:\n{row[key]}", file=sys.stderr, flush=True)
+        with open(args.json, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        rows.append(row)
+    print()
+    print(table(rows))
+    return 0 if all("ratio" in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
