@@ -73,12 +73,12 @@ def test_fp8_and_bf16_resume_each_others_checkpoints_and_the_fp8_keys_may_change
 # 192 steps (3 epochs of 64 steps of 32 sequences of 64 bytes) of the demo's 2-block GPT, an evaluation
 # at each epoch's end; on the CPU bf16 is fp32
 LONG = ["train.epochs=3", "train.sample_tokens=0", "run.progress=plain", "run.resume=false"]
-# Tolerance on each validation loss: bf16 runs of this recipe that differ only in train.seed end 0.012
-# apart (2.4397-2.4518 at 320 steps; 0.02-0.06 apart at the earlier epochs); float8 (e4m3: 3 mantissa
-# bits, each product's rounding errors averaging out over its 64 terms) must move the curve by less than
-# the seed does. Measured: 0.003-0.009 from bf16 at the same seed; a wrong float8 product (no scaling, a
-# transposed weight) does not learn at all.
-TOLERANCE = 0.02
+# Tolerance on the validation losses: bf16 runs of this recipe that differ only in train.seed end
+# 0.043 apart (2.521-2.564 at 192 steps; 0.052 at 128), and at 64 steps, with the curve still steep,
+# 0.29; float8 (e4m3: 3 mantissa bits, each product's rounding errors averaging out over its 64 terms)
+# must move the curve by less than the seed does. Measured at seeds 0-2: 0.005-0.014 from bf16 at the
+# same seed at 128 and 192 steps, up to 0.11 at 64.
+TOLERANCE = {64: 0.15, 128: 0.04, 192: 0.04}
 
 
 def _rows(ctx, out_dir: str, overrides: list[str]) -> list[dict]:
@@ -99,7 +99,8 @@ def test_fp8_trains_to_bf16s_validation_losses_in_every_shard_mode(tmp_path, bf1
     rows = run_ranks(_rows, 2, str(tmp_path), [*FP8, f"dist.shard={shard}"], timeout=300)[0]
     assert [r["step"] for r in rows] == [r["step"] for r in bf16_rows] == [64, 128, 192]
     got, want = [r["val_loss"] for r in rows], [r["val_loss"] for r in bf16_rows]
-    assert got == pytest.approx(want, abs=TOLERANCE), (got, want)
+    for r, g, w in zip(rows, got, want):
+        assert abs(g - w) < TOLERANCE[r["step"]], (r["step"], got, want)
     assert got != want  # float8's own rounding: not bf16's numbers
     assert got[-1] < 2.8  # it learns (5.5 is a uniform guess over the bytes)
 
