@@ -136,8 +136,8 @@ def run_runner(args: argparse.Namespace, model: str, precision: str, device: tor
     data = token_file(args.dir, n, vocab)
     recipe, overrides = runner_overrides(args, model, precision, data, os.path.join(args.dir, "run"))
     cfg = load_config(recipe, overrides)
-    ctx = Context(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device,
-                  backend="nccl" if device.type == "cuda" else "none")  # fmt: skip
+    # world size 1 without a process group, as launch.py's one process (bench.hf_io builds it alike)
+    ctx = Context(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device, backend="none")
     trainer = Trainer(cfg, ctx, Timeline())
     try:
         trainer.build()  # on a GPU with the warm-up: the compilation and the first steps, undone
@@ -306,8 +306,7 @@ def curve(args: argparse.Namespace, device: torch.device) -> int:
               ["train.precision=fp8", f"train.fp8_recipe={precision}", f"train.fp8_layers={args.curve_layers}"]),
         ]  # fmt: skip
         cfg = load_config(os.path.join(ROOT, "recipes", "gpt_shakespeare.yaml"), overrides)
-        ctx = Context(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device,
-                      backend="nccl" if device.type == "cuda" else "none")  # fmt: skip
+        ctx = Context(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device, backend="none")
         _clear(device)
         t0 = time.perf_counter()
         trainer = Trainer(cfg, ctx, Timeline())
@@ -390,7 +389,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.tiny else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
