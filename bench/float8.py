@@ -26,7 +26,7 @@ whatever the precision), peak memory, and the speed-up over the same loop's bf16
 
 ``--curve``: ``recipes/gpt_shakespeare.yaml`` at ``--curve-size`` (24 x 1024 by default, 302M parameters, bytes)
 for ``--curve-steps`` steps of 16 x 512 bytes through the runner's whole run (``Trainer.fit``), bf16 with seeds
-0 and 1 (the noise) and fp8 (``--curve-recipe``) with seed 0, evaluated every 1/20 of the run; the
+0 and 1 (the noise) and fp8 (``--curve-recipe``) with seed 0, evaluated ``--curve-evals`` times (20); the
 validation losses of the three in a table and a plot (``float8_curve.png`` in ``--out``).
 """
 
@@ -290,7 +290,7 @@ def curve(args: argparse.Namespace, device: torch.device) -> int:
     from distlib.runner.training.trainer import Trainer
 
     layers, heads, width = parse_size(args.curve_size)
-    every = max(1, args.curve_steps // 20)
+    every = max(1, args.curve_steps // args.curve_evals)
     runs = [("bf16", 0), ("bf16", 1), (args.curve_recipe, 0)]
     curves, rows = {}, []
     for precision, seed in runs:
@@ -302,6 +302,7 @@ def curve(args: argparse.Namespace, device: torch.device) -> int:
             "train.epochs=0", f"train.max_steps={args.curve_steps}", f"train.eval_every_steps={every}",
             "train.eval_every=0", "train.sample_tokens=0", f"train.seed={seed}", f"run.out_dir={out}",
             "run.resume=false", "run.progress=plain", f"train.compile_backend={args.compile_backend}",
+            *([f"data.args.val_frac={args.curve_val_frac}"] if args.curve_val_frac else []),
             *(["train.precision=bf16"] if precision == "bf16" else
               ["train.precision=fp8", f"train.fp8_recipe={precision}", f"train.fp8_layers={args.curve_layers}"]),
         ]  # fmt: skip
@@ -369,6 +370,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--curve-steps", type=int, default=2000)
     p.add_argument("--curve-batch", type=int, default=16, help="sequences a step")
     p.add_argument("--curve-seq", type=int, default=512, help="bytes a sequence")
+    p.add_argument("--curve-evals", type=int, default=20, help="evaluations over the run")
+    p.add_argument("--curve-val-frac", type=float, default=0.0, help="data.args.val_frac; 0: the recipe's")
     p.add_argument("--curve-recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
     p.add_argument("--curve-layers", default="auto", choices=["auto", "all"], help="train.fp8_layers of the fp8 run")
     p.add_argument("--text", default=os.path.join(ROOT, "data", "shakespeare.txt.gz"))
@@ -381,7 +384,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.tiny:
         args.compile_backend = "aot_eager"
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
-        args.curve_size, args.curve_steps, args.curve_batch, args.curve_seq = "2x64", 20, 4, 32
+        args.curve_size, args.curve_steps, args.curve_batch, args.curve_seq = "2x64", 10, 4, 32
+        args.curve_evals, args.curve_val_frac = 2, 0.005
         args.text = os.path.join(ROOT, "data", "shakespeare-demo", "shakespeare.txt.gz")
         args.curve_layers = args.fp8_layers = "all"  # tiny matrices: below torchao's sizes for a gain
     return args

@@ -250,6 +250,23 @@ def test_a_hugging_face_llama_trains_in_fp8_under_full_sharding(tmp_path):
 
 
 # ---- GPUs: real float8 products -----------------------------------------------------------------------
+def _gpu_launch(out, *overrides: str):
+    from tests.runner.test_e2e import launch
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 products need compute capability 8.9 (Ada, Hopper) or newer")
+    return launch([DEMO, "run.progress=plain", "train.epochs=3", "train.sample_tokens=40", f"run.out_dir={out}",
+                   *overrides], nproc=1, timeout=400)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gpu_bf16_rows(tmp_path_factory) -> list[dict]:
+    """The demo in bf16 on the GPU, eager and replicated: the modes and compile train bf16 alike."""
+    out = tmp_path_factory.mktemp("gpu-bf16")
+    _gpu_launch(out, "train.precision=bf16")
+    return metrics(out)
+
+
 @pytest.mark.gpus(1)
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -263,25 +280,19 @@ def test_a_hugging_face_llama_trains_in_fp8_under_full_sharding(tmp_path):
     ],
     ids=["none-graph", "optimizer-selective", "full-checkpointed", "rowwise-whole", "rowwise-full"],
 )
-def test_the_gpt_demo_trains_in_fp8_on_a_gpu(tmp_path, overrides):
+def test_the_gpt_demo_trains_in_fp8_on_a_gpu(tmp_path, gpu_bf16_rows, overrides):
     """float8 products on a GPU of compute capability 8.9+ (not emulated): per block compiled inside the
     whole-step CUDA graph, under optimizer sharding with checkpointing, under FSDP2 with float8
-    all-gathers, rowwise scales with the whole model compiled; the validation losses within the
-    tolerance above of a bf16 run's, and the sample generated a token at a time (float8 products of one
-    row)."""
-    from tests.runner.test_e2e import launch
-
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("float8 products need compute capability 8.9 (Ada, Hopper) or newer")
-    common = [DEMO, "run.progress=plain", "train.epochs=3", "train.sample_tokens=40",
-              f"run.compile_cache_dir={tmp_path / 'cache'}"]  # fmt: skip
-    launch([*common, f"run.out_dir={tmp_path / 'bf16'}", "train.precision=bf16", *overrides], nproc=1, timeout=400)
-    proc = launch([*common, f"run.out_dir={tmp_path / 'fp8'}", *FP8, *overrides], nproc=1, timeout=400)
-    assert "training eagerly" not in proc.stderr + proc.stdout  # the CUDA graph was captured where asked
-    assert "emulated" not in proc.stderr + proc.stdout
-    got, want = metrics(tmp_path / "fp8"), metrics(tmp_path / "bf16")
-    for r, w in zip(got, want):
-        assert abs(r["val_loss"] - w["val_loss"]) < TOLERANCE[r["step"]], (got, want)
+    all-gathers, rowwise scales with the whole model compiled and under FSDP2; the validation losses
+    within the tolerance above of bf16's, and the sample generated a token at a time (float8 products
+    of one row)."""
+    proc = _gpu_launch(tmp_path, *FP8, f"run.compile_cache_dir={tmp_path / 'cache'}", *overrides)
+    said = proc.stderr + proc.stdout
+    assert "training eagerly" not in said and "emulated" not in said  # captured where asked; real float8
+    got = metrics(tmp_path)
+    assert [r["step"] for r in got] == [r["step"] for r in gpu_bf16_rows]
+    for r, w in zip(got, gpu_bf16_rows):
+        assert abs(r["val_loss"] - w["val_loss"]) < TOLERANCE[r["step"]], (got, gpu_bf16_rows)
 
 
 @pytest.mark.gpus(1)
