@@ -15,13 +15,14 @@ step), ``llama1b`` (recipes/llama_1b.yaml's Llama-3.2-1B shape through ``hf_caus
   ``train.fp8_layers=auto`` or ``--fp8-layers``, ``train.compile=blocks``, fused AdamW, gradients clipped
   to 1, the warm-up), random tokens in a token file, ``dist.shard=none``; then ``--steps`` calls of the
   step on one batch;
-- ``plain``: the loop the figures of the float8 issue came from: the same model built on the GPU, torchao's
+- ``plain``: torchao's float8 training as its documentation writes it: the same model built on the GPU, torchao's
   ``convert_to_float8_training`` on every Linear but the output layer, each block compiled, bf16 autocast,
   fused AdamW, the same clipping, a plain cross-entropy.
 
 Each row: the median step over ``--steps`` timed steps after ``--warmup`` untimed ones (compilation happens
 there), tokens/s, MFU against the GPU's dense bf16 peak (989 TFLOP/s on H100/H200; the FLOPs are the model's,
-whatever the precision), peak memory, and the speed-up over the same loop's bf16 row. Rows are JSON lines
+whatever the precision), the timed steps' peak memory (not the runner's warm-up, which copies the
+weights), and the speed-up over the same loop's bf16 row. Rows are JSON lines
 (``--json``), the table last. BENCHMARKS.md, "Float8 training".
 
 ``--curve``: ``recipes/gpt_shakespeare.yaml`` at ``--curve-size`` (24 x 1024 by default, 302M parameters, bytes)
@@ -86,8 +87,10 @@ def _clear(device: torch.device) -> None:
     """Nothing of the last row left: its compiled graphs (dynamo counts recompilations of a block's code
     across rows, and falls back to eager past its limit), its tensors, the allocator's peak."""
     import torch._dynamo
+    from torch._inductor import config as inductor_config
 
     torch._dynamo.reset()
+    inductor_config.emulate_precision_casts = False  # torch's default, which rowwise rows turn on for themselves
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -100,7 +103,7 @@ def token_file(directory: str, n: int, vocab: int) -> str:
 
     from distlib.runner.data.token_files import write_token_file
 
-    path = os.path.join(directory, f"tokens-{vocab}.bin")
+    path = os.path.join(directory, f"tokens-{vocab}-{n}.bin")
     if not os.path.exists(path):
         tokens = np.random.default_rng(0).integers(0, vocab, n, dtype=np.int64)
         write_token_file(path, tokens, dtype="uint16" if vocab <= 1 << 16 else "uint32", header=True)
@@ -217,9 +220,11 @@ def run_plain(args: argparse.Namespace, model: str, precision: str, device: torc
 
 def _times(step, args: argparse.Namespace, device: torch.device, warm: bool) -> list[float]:
     """Seconds of each of ``--steps`` steps, after ``--warmup`` untimed ones when ``warm`` (the runner's
-    warm-up already ran them on a GPU)."""
+    warm-up already ran them on a GPU); the peak memory is the timed steps'."""
     for _ in range(args.warmup if warm else 1):
         step()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(args.steps):
         _sync(device)
