@@ -76,7 +76,7 @@ class TrainConfig:
     min_lr_frac: float = 0.0  # the rate at the last step, as a fraction of lr
     # the autocast dtype; fp8: bf16 with the blocks' matrix products in float8 (torchao; docs/float8.md)
     precision: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"  # bf16 (fp32 on CPU); fp16 with loss scaling; fp32; fp8
-    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"  # fp8's scales: one per tensor (fastest) or per row
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"  # fp8 (docs/float8.md): a scale per tensor or per row
     fp8_layers: Literal["auto", "all"] = "auto"  # fp8: auto: the blocks' Linears large enough to gain; all: every one
     clip_grad_norm: float = 0.0  # clip the global gradient norm (after averaging) to this; 0 = off
     grad_accum: int = 1  # micro-steps per optimizer step (communication only on the last)
