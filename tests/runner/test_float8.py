@@ -202,7 +202,7 @@ def _compiled(ctx, out_dir: str, overrides: list[str]) -> list[float]:
     import torch._dynamo
 
     torch._dynamo.reset()
-    cfg = load_config(DEMO, [*TINY, *FP8, "model.args.n_layer=2", f"run.out_dir={out_dir}", *overrides])
+    cfg = load_config(DEMO, [*TINY, *FP8, f"run.out_dir={out_dir}", *overrides])
     losses: list[float] = []
     with built(cfg, ctx) as trainer:
         trainer.step_fn = Recorded(trainer.step_fn, losses)
