@@ -117,16 +117,21 @@ def _reshard(model: nn.Module) -> None:
 
 
 def _fsdp_float8(ctx, steps: int) -> tuple[list[float], dict[str, torch.Tensor], bool]:
-    """The GPT with float8 all-gathers under FSDP2 (this rank's half of each batch), AdamW, the scales
-    computed after each step; then whether a weight changed in place outside a step keeps a stale
-    scale until ``precompute_float8_scales``."""
+    """The GPT with float8 all-gathers under FSDP2, converted by ``shard_model(convert=)`` (this rank's
+    half of each batch), AdamW, the scales computed after each step; then whether a weight changed in
+    place outside a step keeps a stale scale until ``precompute_float8_scales``."""
+    from distlib.parallel import fsdp
 
-    def build() -> GPT:
-        model = _gpt()
-        distlib.convert_to_float8(model, layers="all", fsdp_float8_all_gather=True)
-        return model
-
-    model = distlib.shard_model(build)
+    whole = []
+    build_whole = fsdp._build_whole
+    fsdp._build_whole = lambda *a, **k: whole.append(1) or build_whole(*a, **k)
+    try:  # converted between the recorded build and fully_shard: each parameter replayed into its shards
+        model = distlib.shard_model(
+            _gpt, convert=lambda m: distlib.convert_to_float8(m, layers="all", fsdp_float8_all_gather=True)
+        )
+    finally:
+        fsdp._build_whole = build_whole
+    assert not whole  # never built whole on a rank
     local = model.blocks[0].attn.qkv.weight.to_local()
     assert type(local).__name__ == "WeightWithDynamicFloat8CastTensor"  # all-gathered in float8
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -197,7 +197,7 @@ class Trainer:
         dist.shard=full ``shard_model`` then keeps this rank's shards (FSDP2 per entry of the
         model's ``blocks``, then the root; bf16 weights in the layers with train.precision=bf16 on
         a GPU, gradients reduced in fp32). With train.precision=fp8 the blocks' Linear layers are
-        float8 ones (runner/training/float8.py), converted before the sharding. A model with
+        float8 ones (runner/training/float8.py), converted before the sharding (``convert=``). A model with
         ``load_pretrained()`` (hf_causal_lm from a folder) then reads its weights into its parameters
         where they are."""
         cfg, device = self.cfg, self.ctx.device
@@ -207,7 +207,6 @@ class Trainer:
             if not isinstance(model, torch.nn.Module):
                 raise ConfigError([f"model.name={cfg.model.name!r} returned {type(model).__name__}, "
                                    "not a torch.nn.Module"])  # fmt: skip
-            convert_model(cfg, model, device)  # train.precision=fp8: before FSDP2 wraps the layers
             return model
 
         if cfg.dist.shard == "full":
@@ -217,10 +216,12 @@ class Trainer:
             empty = cfg.model.name == "hf_causal_lm" and bool(cfg.model.args.get("pretrained"))
             model = distlib.shard_model(build, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
                                         device=device, block_types=block_types, empty=empty, offload=cfg.dist.offload,
-                                        reshard_after_forward=cfg.dist.reshard_after_forward)  # fmt: skip
+                                        reshard_after_forward=cfg.dist.reshard_after_forward,
+                                        convert=lambda m: convert_model(cfg, m, device))  # fmt: skip
         else:
             with torch.device(device):  # where it runs: no copy on the host first
                 model = build().to(device)  # .to: a no-op, unless the model put a tensor on a device of its own
+            convert_model(cfg, model, device)
             if cfg.model.channels_last:  # changes 4-D (convolution) weights only
                 model = model.to(memory_format=torch.channels_last)
         if callable(load := getattr(model, "load_pretrained", None)):
