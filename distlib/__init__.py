@@ -11,7 +11,8 @@ distlib.shutdown()
 Also here: ``Replicas`` (one process drives every GPU of its node), ``CapturedStep`` (a whole
 training step as a CUDA graph), ``compile_blocks`` and ``checkpoint_blocks`` (compile and activation
 checkpointing per block, the blocks from ``find_blocks``), ``EMA`` (a weight average the graph can
-update), ``Checkpointer``, ``shard_model`` and ``FSDPSync`` (full sharding through FSDP2),
+update), ``convert_to_float8`` (the blocks' matrix products in float8 through torchao: ``distlib[fp8]``),
+``Checkpointer``, ``shard_model`` and ``FSDPSync`` (full sharding through FSDP2),
 ``ShardedCheckpointer`` and ``export_checkpoint`` (torch.distributed.checkpoint: per-rank shards),
 ``StopSignal`` (SIGTERM/SIGINT stop every rank at one step boundary), ``Watchdog`` (ends a rank that
 stopped running), ``collectives``, and the errors they raise.
@@ -44,6 +45,7 @@ from distlib.step.activation_checkpointing import checkpoint_blocks
 from distlib.step.compile import compile_blocks, compile_for_sync
 from distlib.step.cuda_graph import CapturedStep, CaptureUnsupported
 from distlib.step.ema import EMA
+from distlib.step.float8 import Float8Error, convert_to_float8, float8_layers, precompute_float8_scales
 
 
 def __getattr__(name: str):
@@ -72,6 +74,7 @@ __all__ = [
     "EMA",
     "EnvError",
     "ExactDistributedSampler",
+    "Float8Error",
     "FSDPSync",
     "GradSync",
     "GradSyncError",
@@ -93,11 +96,14 @@ __all__ = [
     "collectives",
     "compile_blocks",
     "compile_for_sync",
+    "convert_to_float8",
     "distributed_loader",
     "export_checkpoint",
     "find_blocks",
+    "float8_layers",
     "get_logger",
     "init",
+    "precompute_float8_scales",
     "reduce",
     "shard_model",
     "shutdown",

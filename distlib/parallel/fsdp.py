@@ -234,6 +234,7 @@ def shard_model(
     seed: int | None = None,
     offload: bool = False,
     empty: bool = False,
+    convert: Callable[[nn.Module], object] | None = None,
 ) -> nn.Module:
     """The model with ``fully_shard`` applied to each block and then to the root: each rank holds
     1/world of every parameter, gradient and (once the optimizer is built on ``model.parameters()``)
@@ -257,6 +258,10 @@ def shard_model(
     ``empty=True``: the parameters are sharded without values (NaN), nothing drawn, for weights
     read into the shards afterwards (a pretrained folder, a checkpoint).
     ``seed``: None, the caller's random stream; an int, ``torch.manual_seed(seed)`` first.
+    ``convert(model)``: run on the model once built (its parameters still on the meta device when
+    their initialisation is recorded) and before ``fully_shard``: a conversion that swaps layers for
+    others holding the same parameters under the same names (``distlib.convert_to_float8``). Done by
+    ``build`` itself, it would replace the recorded parameters, and the model would be built whole.
 
     ``blocks`` (modules of the model) or ``block_types`` (classes or class names) name the units
     sharded one by one, whose parameters are all-gathered just before they run; by default the
@@ -324,6 +329,8 @@ def shard_model(
         broadcast_tensors(list(model.buffers()))
         rec.broadcast()  # every rank replays rank 0's draws
     meta_params = dict(model.named_parameters())  # before sharding: the recorded tensors by name
+    if convert is not None:
+        convert(model)  # the same names: the shards are filled from meta_params by name
     _shard_units(model, blocks, block_types, device, param_dtype, reduce_dtype, reshard_after_forward, offload)
     if rec is not None or empty:
         bad_buffers = _uninitialised(model, filled)  # of a meta model: reported with the parameters

@@ -74,7 +74,10 @@ class TrainConfig:
     warmup_frac: float = 0.15  # linear warm-up over this fraction of the steps, then the decay to min_lr_frac * lr
     schedule: Literal["linear", "cosine"] = "linear"  # shape of the decay after the warm-up
     min_lr_frac: float = 0.0  # the rate at the last step, as a fraction of lr
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"  # autocast dtype; bf16 is fp32 on CPU; fp16 adds a loss scaler
+    # the autocast dtype; fp8: bf16 with the blocks' matrix products in float8 (torchao; docs/float8.md)
+    precision: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"  # bf16 (fp32 on CPU); fp16 with loss scaling; fp32; fp8
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"  # fp8 (docs/float8.md): a scale per tensor or per row
+    fp8_layers: Literal["auto", "all"] = "auto"  # fp8: auto: the blocks' Linears large enough to gain; all: every one
     clip_grad_norm: float = 0.0  # clip the global gradient norm (after averaging) to this; 0 = off
     grad_accum: int = 1  # micro-steps per optimizer step (communication only on the last)
     ema: float = 0.0  # decay of a per-step average of the weights (ramped up early, in the graph); 0 = off
@@ -396,6 +399,13 @@ def _validate(cfg: Config, problems: list[str], components: bool = True) -> None
             "train.precision=fp16 with train.cuda_graph=true: the fp16 loss scaler cannot run inside a captured "
             "step; use train.precision=bf16 (no scaler needed) or train.cuda_graph=false"
         )
+    if cfg.train.precision == "fp8":
+        if importlib.util.find_spec("torchao") is None:
+            problems.append("train.precision=fp8: the torchao package is not installed; pip install 'distlib[fp8]', "
+                            "or set train.precision=bf16")  # fmt: skip
+        if cfg.dist.mode == "fallback":
+            problems.append("train.precision=fp8 with dist.mode=fallback: the fallback mode's replicas are not "
+                            "converted to float8; use dist.mode=process_per_gpu or train.precision=bf16")  # fmt: skip
     for path, wanted, package, extra in (
         ("run.tensorboard", cfg.run.tensorboard, "tensorboard", "tensorboard"),
         ("run.wandb", cfg.run.wandb.enabled, "wandb", "wandb"),

@@ -1,1 +1,1 @@
-"""The training step's speed-ups: compile around the sync, CUDA-graph capture, the weight EMA."""
+"""The training step's speed-ups: compile around the sync, CUDA-graph capture, float8 products, the weight EMA."""

@@ -36,7 +36,8 @@ def _path(module: str) -> str:
     return os.path.join(path, "__init__.py") if os.path.isdir(path) else path + ".py"
 
 
-THIRD_PARTY = ("yaml", "rich", "torchvision", "matplotlib", "PIL", "numpy")
+# torchao: the fp8 extra, which the library imports by name when float8 training is asked for
+THIRD_PARTY = ("yaml", "rich", "torchvision", "matplotlib", "PIL", "numpy", "torchao")
 
 # Runs in a fresh interpreter: torch first (what it loads itself, e.g. numpy on some versions, cannot
 # be blocked), then every other third-party package of the runner is made unimportable.
@@ -63,7 +64,7 @@ def test_library_imports_without_the_runners_packages():
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     # the check means something: everything but what torch loads itself was blocked
-    assert {"yaml", "rich", "torchvision", "matplotlib", "PIL"} <= set(res["blocked"]), res
+    assert {"yaml", "rich", "torchvision", "matplotlib", "PIL", "torchao"} <= set(res["blocked"]), res
     assert res["failed"] == {}, res["failed"]
     assert res["runner"] == [], f"importing the library loaded the runner: {res['runner']}"
     assert len(MODULES) >= 10  # the listing found the library's modules

@@ -568,3 +568,31 @@ def test_hf_families_runs_tiny_on_the_cpu(tmp_path):
     assert row["runner_tokens_per_s"] > 0 and row["baseline_tokens_per_s"] > 0 and row["attn"] == "sdpa", row
     assert row["ratio"] == pytest.approx(row["runner_tokens_per_s"] / row["baseline_tokens_per_s"], rel=1e-2)
     assert proc.stdout.strip().splitlines()[-1].startswith("| qwen2 | tiny | sdpa |")
+
+
+# ---- bench.float8 --------------------------------------------------------------------------------
+def test_float8_bench_runs_tiny_on_the_cpu(tmp_path):
+    """Through the runner and the plain loop, bf16 and emulated float8, a GPT and a transformers Llama:
+    a row each with its tokens/s and float8 layers, the table with each row's ratio to its loop's bf16;
+    then the loss curves of bf16 (two seeds) and fp8 through the runner's whole run, and the plot."""
+    pytest.importorskip("torchao")
+    out = tmp_path / "float8.jsonl"
+    cmd = [sys.executable, "-m", "bench.float8", "--tiny", "--models=gpt4096,llama1b", "--precisions=bf16,rowwise",
+           f"--json={out}", f"--dir={tmp_path / 'work'}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["model"], r["loop"], r["precision"]) for r in rows] == [
+        (m, loop, p) for m in ("gpt4096", "llama1b") for loop in ("runner", "plain") for p in ("bf16", "rowwise")
+    ]
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and "note" not in r, r
+        assert (r["float8_layers"] > 0) == (r["precision"] == "rowwise"), r
+    assert "| gpt4096 | runner | bf16 |" in proc.stdout and "| 1.000 |" in proc.stdout
+    assert "llama1b rowwise: runner / plain" in proc.stdout
+    curve = subprocess.run([sys.executable, "-m", "bench.float8", "--tiny", "--curve", f"--json={out}",
+                            f"--dir={tmp_path / 'work'}", f"--out={tmp_path}"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=600)  # fmt: skip
+    assert curve.returncode == 0, curve.stdout[-3000:] + curve.stderr[-3000:]
+    assert (tmp_path / "float8_curve.png").stat().st_size > 0
+    assert "bf16 seed 0 | bf16 seed 1 | fp8 tensorwise seed 0 |" in curve.stdout

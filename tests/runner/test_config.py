@@ -117,8 +117,8 @@ def test_precision_fp16_refuses_a_captured_cuda_graph(tmp_path):
     assert load_config(None, ["train.precision=bf16", "train.cuda_graph=true"]).train.cuda_graph is True
     found = problems(write(tmp_path, "train:\n  precision: fp16\n  cuda_graph: true\n"))
     assert len(found) == 1 and "train.precision=fp16 with train.cuda_graph=true" in found[0], found
-    assert problems(None, ["train.precision=fp8"]) == [
-        "train.precision: expected one of 'bf16', 'fp16', 'fp32', got 'fp8'"
+    assert problems(None, ["train.precision=fp4"]) == [
+        "train.precision: expected one of 'bf16', 'fp16', 'fp32', 'fp8', got 'fp4'"
     ]
 
 

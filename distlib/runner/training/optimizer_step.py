@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 
-PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+# fp8: bf16 autocast around the float8 matrix products (train.precision=fp8, runner/training/float8.py)
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None, "fp8": torch.bfloat16}
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """The autocast dtype of ``train.precision`` on ``device``; None: no autocast.
-    bf16 runs in fp32 on a CPU (slow there); fp16 autocasts on every device torch supports."""
+    bf16 (and fp8's, around its float8 products) runs in fp32 on a CPU (slow there); fp16 autocasts on every
+    device torch supports."""
     dtype = PRECISIONS[precision]
     if dtype is torch.bfloat16 and device.type != "cuda":
         return None

@@ -36,6 +36,7 @@ from distlib.parallel.comm_fallback import Replicas, node_devices
 from distlib.runner.config import Config, ConfigError
 from distlib.runner.tasks.losses import LossFn, cross_entropy
 from distlib.runner.training.compilation import apply_block_settings, compiled_loss
+from distlib.runner.training.float8 import scale_refresh
 from distlib.runner.training.optimizer_step import OptimizerSpec, OptimizerStep, autocast_dtype
 from distlib.runner.training.warmup import warm_up
 from distlib.step.cuda_graph import build_train_step
@@ -59,6 +60,12 @@ class TrainStep:
         warm_up(lambda: self(x, y), self.modules, self.optimizer, steps)
         if scaler is not None:
             scaler.load_state_dict(saved)  # in place: the scale tensor keeps its storage
+        self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """The weights were changed in place outside a step (put back after the warm-up, loaded from
+        a checkpoint): recompute what the step derives from them (float8 all-gathers' scales). A
+        collective."""
 
     def sync_buffers(self) -> None:
         """Bring the buffers of every device this process drives into the model, before it is
@@ -83,8 +90,12 @@ class GradSyncStep(TrainStep):
         grad_accum: int = 1,
         cuda_graph: bool = False,
         post_step: Callable[[], None] | None = None,
+        refresh: Callable[[], None] | None = None,  # after each optimizer step and weights_changed()
     ):
         self.model, self.optimizer, self.sync, self.loss_of = model, optimizer, sync, loss_of
+        self.refresh = refresh
+        if refresh is not None:
+            post_step = _then(refresh, post_step)
         self.post_step = post_step
         self.modules = [model]
         self.update = update
@@ -113,10 +124,23 @@ class GradSyncStep(TrainStep):
             self.post_step()
         return loss
 
+    def weights_changed(self) -> None:
+        if self.refresh is not None:
+            self.refresh()
+
     def close(self) -> None:
         if self.graph is not None:
             self.graph.close()
         self.sync.close()
+
+
+def _then(first: Callable[[], None], then: Callable[[], None] | None) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        if then is not None:
+            then()
+
+    return both
 
 
 class ReplicasStep(TrainStep):
@@ -229,5 +253,8 @@ def build_step(
                 out = (_fp32(out[0]), *out[1:]) if isinstance(out, tuple) else _fp32(out)
             return loss_fn(out, y)
 
+    # float8 all-gathers (dist.shard=full, fp8): the weights' scales for the next step's all-gathers,
+    # computed once after the optimizer step in one all-reduce rather than per block during the forward
     return GradSyncStep(model, opt, sync, loss_of, update=update, grad_accum=t.grad_accum,
-                        cuda_graph=t.cuda_graph, post_step=post_step)  # fmt: skip
+                        cuda_graph=t.cuda_graph, post_step=post_step,
+                        refresh=scale_refresh(cfg, model))  # fmt: skip

@@ -49,6 +49,7 @@ from distlib.runner.tasks import Task, build_task
 from distlib.runner.training.budget import Budget
 from distlib.runner.training.checkpoints import build_checkpoints
 from distlib.runner.training.compilation import load_compiler
+from distlib.runner.training.float8 import convert_model
 from distlib.runner.training.optimizer_step import OptimizerSpec, autocast_dtype
 from distlib.runner.training.schedule import WarmupLinear, ema_decay, retarget, warmup_linear
 from distlib.runner.training.step import TrainStep, build_step
@@ -60,15 +61,20 @@ _RESUME_FREE = {
     "train.cudnn_benchmark", "train.compile", "train.peak_tflops", "train.sample_tokens",
     "train.epochs", "train.max_steps", "train.eval_every_steps",
     "train.activation_checkpointing", "train.compile_backend", "model.block_class",
+    "train.fp8_recipe", "train.fp8_layers",
 }  # fmt: skip
 
 
 def resume_settings(cfg: Config) -> dict:
-    """The settings a checkpoint is valid for: model, optimizer and schedule, data order and augmentation."""
+    """The settings a checkpoint is valid for: model, optimizer and schedule, data order and augmentation.
+    train.precision=fp8 counts as bf16: its weights and optimizer state are bf16 training's (fp32, the
+    float8 casts are made afresh at every step), so either resumes from the other's checkpoint."""
     sections = ("model", "loss", "train")
     flat = {f"{sec}.{k}": v for sec in sections for k, v in dataclasses.asdict(getattr(cfg, sec)).items()}
     flat |= {f"data.augment.{k}": v for k, v in dataclasses.asdict(cfg.data.augment).items()}
     flat |= {"data.train_subset": cfg.data.train_subset, "data.name": cfg.data.name, "data.args": cfg.data.args}
+    if flat["train.precision"] == "fp8":
+        flat["train.precision"] = "bf16"
     return {k: v for k, v in flat.items() if k not in _RESUME_FREE}
 
 
@@ -192,8 +198,10 @@ class Trainer:
         dist.shard mode: the same weights in every mode and at every world size. With
         dist.shard=full ``shard_model`` then keeps this rank's shards (FSDP2 per entry of the
         model's ``blocks``, then the root; bf16 weights in the layers with train.precision=bf16 on
-        a GPU, gradients reduced in fp32). A model with ``load_pretrained()`` (hf_causal_lm from a
-        folder) then reads its weights into its parameters where they are."""
+        a GPU, gradients reduced in fp32). With train.precision=fp8 the blocks' Linear layers are
+        float8 ones (runner/training/float8.py), converted before the sharding (``convert=``). A model with
+        ``load_pretrained()`` (hf_causal_lm from a folder) then reads its weights into its parameters
+        where they are."""
         cfg, device = self.cfg, self.ctx.device
 
         def build() -> torch.nn.Module:
@@ -210,10 +218,12 @@ class Trainer:
             empty = cfg.model.name == "hf_causal_lm" and bool(cfg.model.args.get("pretrained"))
             model = distlib.shard_model(build, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
                                         device=device, block_types=block_types, empty=empty, offload=cfg.dist.offload,
-                                        reshard_after_forward=cfg.dist.reshard_after_forward)  # fmt: skip
+                                        reshard_after_forward=cfg.dist.reshard_after_forward,
+                                        convert=lambda m: convert_model(cfg, m, device))  # fmt: skip
         else:
             with torch.device(device):  # where it runs: no copy on the host first
                 model = build().to(device)  # .to: a no-op, unless the model put a tensor on a device of its own
+            convert_model(cfg, model, device)
             if cfg.model.channels_last:  # changes 4-D (convolution) weights only
                 model = model.to(memory_format=torch.channels_last)
         if callable(load := getattr(model, "load_pretrained", None)):
@@ -260,6 +270,7 @@ class Trainer:
             keep=cfg.run.keep_checkpoints, timeout_s=cfg.dist.timeout_s, staging=cfg.run.checkpoint_staging,
         )  # fmt: skip
         self.checkpoints.resume(enabled=cfg.run.resume)  # whether it is complete: the budget's to say
+        self.step_fn.weights_changed()  # loaded in place: what the step derives from them is computed again
         self.resume_budget()
         self.loader.set_epoch(self.state.epoch)
         self.run.start_metrics(self.state.epoch, step=self.global_step)
