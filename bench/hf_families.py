@@ -44,6 +44,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+
+
 def rope(theta: float) -> dict:
     """Plain rotary embeddings of base ``theta``, in transformers 5's form."""
     return {"rope_type": "default", "rope_theta": theta}

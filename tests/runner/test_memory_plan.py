@@ -4,6 +4,7 @@ at launch."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -62,7 +63,7 @@ def test_blocks_extrapolate_exactly_and_the_parts_follow_the_shard_mode():
 def test_checkpointing_and_float8_keep_less_for_backward():
     """Activation checkpointing and float8 matrix products (float8 copies of every Linear's input and
     weight kept for backward; the output layer in bf16) lower the activations, not the weights."""
-    cfg = _tiny("model.args.n_embd=128", "train.precision=bf16")
+    cfg = _tiny("model.args.n_embd=128", "train.precision=bf16", "train.fp8_layers=all")
     spec = step_spec(cfg)
     with fake_world(1):
         kw = dict(shard="none", world_size=1, batch=16)
@@ -72,6 +73,21 @@ def test_checkpointing_and_float8_keep_less_for_backward():
     assert fp8.parts["parameters"] == bf16.parts["parameters"]
     assert fp8.parts["activations"] < 0.9 * bf16.parts["activations"]
     assert full.parts["activations"] < 0.7 * bf16.parts["activations"]
+
+
+def test_float8_is_planned_on_the_layers_the_run_converts():
+    """The plan takes the run's rule (distlib.float8_layers with train.fp8_layers): at auto, torchao's
+    thresholds leave a tiny model's Linears in bf16, so the run trains as bf16 and is planned so."""
+    pytest.importorskip("torchao")
+    spec = step_spec(_tiny("model.args.n_embd=128", "train.precision=fp8"))
+    assert spec.fp8_layers == "auto"
+    with fake_world(1):
+        kw = dict(shard="none", world_size=1, batch=16, checkpointing="none")
+        auto = measure_step(spec, precision="fp8", **kw)
+        bf16 = measure_step(spec, precision="bf16", **kw)
+        every = measure_step(dataclasses.replace(spec, fp8_layers="all"), precision="fp8", **kw)
+    assert auto.parts == bf16.parts
+    assert every.parts["activations"] < 0.9 * auto.parts["activations"]
 
 
 def test_the_command_prints_every_mode_the_fit_and_the_largest_batch(capsys):

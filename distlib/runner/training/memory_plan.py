@@ -19,8 +19,9 @@ what allocates the same storages, because the real code cannot run on fake tenso
 - a compiled loss (``train.compile``; inductor does not run on fake tensors): it keeps its input and
   one fp32 value per row for backward and writes one gradient of the input's dtype, where the eager
   loss keeps an fp32 copy of the logits and its log-softmax;
-- float8 matrix products (``precision="fp8"``): each Linear but the output layer keeps float8 copies
-  (one byte an element) of its input and weight for backward, its weight stays as it is.
+- float8 matrix products (``precision="fp8"``): each Linear the run turns to float8 (the same rule:
+  ``distlib.float8_layers`` with train.fp8_recipe and train.fp8_layers) keeps float8 copies (one
+  byte an element) of its input and weight for backward, its weight stays as it is.
 
 Compiled blocks are measured eager: inductor's fusions keep fewer activations, so a compiled run
 peaks lower than planned (BENCHMARKS.md, "Memory plan", says by how much). The checkpoint's staging
@@ -141,8 +142,9 @@ class MemoryPlan:
         """Per rank, in GiB: the parts of the recipe's step, the peak at each checkpointing mode, the fit
         and the largest batch, one column per dist.shard mode."""
         shards = list(self.modes)
-        unit, div = ("GiB", GIB) if max(self.peak(s, c) for s in shards for c in self.modes[s].steps) >= GIB \
-            else ("MiB", 2**20)
+        unit, div = (
+            ("GiB", GIB) if max(self.peak(s, c) for s in shards for c in self.modes[s].steps) >= GIB else ("MiB", 2**20)
+        )
 
         def cell(n: int) -> str:
             return f"{n / div:.2f}"
@@ -203,6 +205,8 @@ class StepSpec:
     offload: bool = False  # dist.offload (shard=full): the shards and the optimizer's state on the host
     layers: int = 0  # the model's blocks, when it can be built with another number of them
     build_layers: Callable[[int], nn.Module] | None = None  # the model with that many blocks
+    fp8_recipe: str = "tensorwise"  # train.fp8_recipe (precision fp8)
+    fp8_layers: str = "auto"  # train.fp8_layers (precision fp8): which Linears the run turns to float8
 
 
 def step_spec(cfg: Config) -> StepSpec:
@@ -235,7 +239,7 @@ def step_spec(cfg: Config) -> StepSpec:
         loss_fn=lambda out, y: loss(out, y, **kwargs), optimizer=t.optimizer, weight_decay=t.weight_decay,
         grad_accum=t.grad_accum, clip=t.clip_grad_norm > 0, compiled_loss=t.compile != "none",
         reshard_after_forward=cfg.dist.reshard_after_forward, accumulate=cfg.dist.accumulate,
-        offload=cfg.dist.offload,
+        offload=cfg.dist.offload, fp8_recipe=t.fp8_recipe, fp8_layers=t.fp8_layers,
     )  # fmt: skip
 
 
@@ -300,23 +304,17 @@ class _Float8Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def _float8_linears(model: nn.Module, output: nn.Module | None) -> int:
-    """Every Linear but the output layer, and only those whose dimensions are multiples of 16 (what
-    float8 matrix products take), computes through ``_Float8Linear``. Returns how many."""
-    n = 0
-    for m in model.modules():
-        if type(m) is nn.Linear and m is not output and m.in_features % 16 == 0 and m.out_features % 16 == 0:
+def _float8_linears(model: nn.Module, spec: StepSpec, blocks: list[nn.Module]) -> int:
+    """The Linear layers the run turns to float8 (``distlib.float8_layers``: the same rule, the same
+    recipe and train.fp8_layers) compute through ``_Float8Linear``. Returns how many."""
+    try:
+        names = set(distlib.float8_layers(model, recipe=spec.fp8_recipe, layers=spec.fp8_layers, blocks=blocks))
+    except distlib.Float8Error as e:
+        raise PlanError([f"memory plan: {e}"]) from e
+    for name, m in model.named_modules():
+        if name in names:
             m.forward = lambda x, m=m: _Float8Linear.apply(x, m.weight, m.bias)  # type: ignore[method-assign]
-            n += 1
-    return n
-
-
-def _output_layer(model: nn.Module) -> nn.Module | None:
-    get = getattr(model, "get_output_embeddings", None) or getattr(getattr(model, "hf", None),
-                                                                   "get_output_embeddings", None)  # fmt: skip
-    if callable(get):
-        return get()
-    return getattr(model, "lm_head", None)
+    return len(names)
 
 
 def _flat_buckets(params: list[nn.Parameter]) -> torch.Tensor:
@@ -505,9 +503,9 @@ def measure_step(
         model = spec.build() if layers is None or spec.build_layers is None else spec.build_layers(layers)
         if not isinstance(model, nn.Module):
             raise PlanError([f"memory plan: the model's builder returned {type(model).__name__}, not an nn.Module"])
-        if precision == "fp8":
-            _float8_linears(model, _output_layer(model))
         blocks = distlib.find_blocks(model, spec.block_class or None)
+        if precision == "fp8":
+            _float8_linears(model, spec, blocks)
         if shard == "full":  # as shard_model: each block, the last kept gathered after forward, then the root
             policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
             again = spec.reshard_after_forward
