@@ -4,6 +4,7 @@ torchrun --nproc-per-node=2 examples/ddp_tutorial/train_ddp.py
 """
 
 import argparse
+import importlib
 import os
 
 import torch
@@ -33,6 +34,10 @@ def make_model() -> nn.Module:
 
 
 def setup() -> tuple[int, int, torch.device]:
+    # Imported after the group exists (the optimizer imports it through torch._dynamo), this module
+    # binds the group as its functions' default arguments and so keeps it alive past
+    # destroy_process_group(): see cleanup().
+    importlib.import_module("torch.distributed.nn.functional")
     dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
@@ -92,6 +97,10 @@ def main() -> None:
 
     if args.save and rank == 0:
         torch.save(model.module.state_dict(), args.save)
+    # The DDP model holds the process group. While anything does, destroy_process_group() leaves
+    # gloo's worker threads running, and a process that exits under them can abort ("terminate
+    # called without an active exception"). Dropped first, the group is really destroyed.
+    del model, opt
     cleanup()
 
 
