@@ -251,8 +251,9 @@ def test_a_rank_that_lost_a_peer_says_what_the_peer_said_or_names_it(monkeypatch
 def test_a_checkpoint_must_match_every_key_but_the_documented_free_ones():
     """docs/reliability.md: the model, the loss, train.* (except eval_every, tta, tta_translate,
     cuda_graph, prewarm_steps, cudnn_benchmark, compile, compile_backend, activation_checkpointing,
-    peak_tflops, sample_tokens, model.block_class, and the budget: epochs, max_steps, eval_every_steps),
-    data.name, data.args, data.augment.* and data.train_subset must match the checkpoint."""
+    peak_tflops, sample_tokens, fp8_recipe, fp8_layers, model.block_class, and the budget: epochs,
+    max_steps, eval_every_steps), data.name, data.args, data.augment.* and data.train_subset
+    must match the checkpoint."""
     import dataclasses
 
     from distlib.runner.config import Config
@@ -261,7 +262,7 @@ def test_a_checkpoint_must_match_every_key_but_the_documented_free_ones():
     cfg = Config()
     free = {"eval_every", "tta", "tta_translate", "cuda_graph", "prewarm_steps", "cudnn_benchmark", "compile",
             "peak_tflops", "sample_tokens", "epochs", "max_steps", "eval_every_steps", "compile_backend",
-            "activation_checkpointing"}  # fmt: skip
+            "activation_checkpointing", "fp8_recipe", "fp8_layers"}  # fmt: skip
     expected = {f"model.{f.name}" for f in dataclasses.fields(cfg.model) if f.name != "block_class"}
     expected |= {f"loss.{f.name}" for f in dataclasses.fields(cfg.loss)} | {"data.name", "data.args"}
     expected |= {f"train.{f.name}" for f in dataclasses.fields(cfg.train) if f.name not in free}

@@ -759,7 +759,8 @@ def check_before_launch(cfg: Config) -> None:
     # dist.shard=full, planned in a process of its own): made on a GPU, or when asked for
     if cfg.run.memory_plan == "off" or (cfg.run.memory_plan == "auto" and not torch.cuda.is_available()):
         return
-    if cfg.dist.backend != "gloo" and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count():
+    gpus = torch.cuda.device_count() if cfg.dist.backend != "gloo" else 0
+    if gpus and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > gpus:
         return  # more processes than GPUs: the process group's start names that error, a plan would not
     log = distlib.get_logger()
     main = os.environ.get("RANK", "0") == "0"
