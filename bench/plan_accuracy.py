@@ -9,7 +9,7 @@ step is built and run on the device: the model as ``Trainer.build_model`` makes 
 under ``dist.shard=full``), ``build_step`` with its optimizer, the warm-up (``train.prewarm_steps``,
 on a GPU) and three steps of random tokens, under torch's fake process group of the case's world
 size (``init_process_group("fake")``: shapes and memory of that many ranks, collectives do nothing).
-Measured: ``torch.cuda.max_memory_allocated`` from the end of the build (the build's own peak is its
+Measured: ``torch.cuda.max_memory_allocated`` above what the process held before the case, from the end of the build (the build's own peak is its
 column) to the end of the steps; on the CPU the allocator's bytes as torch's profiler records them
 (``profile_memory``), the build included. A case the plan says does not fit the GPU is not run.
 
@@ -123,7 +123,7 @@ def measure(cfg, world: int, per_rank: int, device) -> dict:  # noqa: ANN001
                 model = spec.build().to(device)
         if cuda:
             torch.cuda.synchronize()
-            out["build"] = torch.cuda.max_memory_allocated()
+            out["build"] = torch.cuda.max_memory_allocated() - base
             torch.cuda.reset_peak_memory_stats()
         opt = OptimizerSpec(torch.optim.AdamW, param_groups(model, t.weight_decay),
                             dict(lr=t.lr, betas=(t.beta1, t.beta2),
@@ -138,11 +138,17 @@ def measure(cfg, world: int, per_rank: int, device) -> dict:  # noqa: ANN001
             step(x, y)
         if cuda:
             torch.cuda.synchronize()
-            out["step"] = torch.cuda.max_memory_allocated()
+            out["step"] = torch.cuda.max_memory_allocated() - base
         step.close()
 
+    # what the process already holds (an earlier case's or test's leftovers: caches, compiled code) is
+    # not this step's: peaks are counted from it
+    base = 0
     try:
         if cuda:
+            gc.collect()
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             run()
         else:
