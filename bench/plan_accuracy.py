@@ -9,9 +9,10 @@ step is built and run on the device: the model as ``Trainer.build_model`` makes 
 under ``dist.shard=full``), ``build_step`` with its optimizer, the warm-up (``train.prewarm_steps``,
 on a GPU) and three steps of random tokens, under torch's fake process group of the case's world
 size (``init_process_group("fake")``: shapes and memory of that many ranks, collectives do nothing).
-Measured: ``torch.cuda.max_memory_allocated`` above what the process held before the case, from the end of the build (the build's own peak is its
-column) to the end of the steps; on the CPU the allocator's bytes as torch's profiler records them
-(``profile_memory``), the build included. A case the plan says does not fit the GPU is not run.
+Measured: ``torch.cuda.max_memory_allocated`` above what the process held before the case, from the
+end of the build (the build's own peak is its column) to the end of the steps; on the CPU the
+allocator's bytes as torch's profiler records them (``profile_memory``), the build included. A case
+the plan says does not fit the GPU is not run.
 
 A simulated rank does not measure time in collectives, nor the buffers NCCL itself allocates
 outside torch's allocator. Rows are printed as JSON lines and appended to ``--json``; the table last.
