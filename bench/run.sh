@@ -30,6 +30,14 @@
 #   plan         the memory plan against the runner's step (torch.cuda.max_memory_allocated) for the 1.5B
 #                and 6.7B GPTs and the Llama-1B recipe at 1, 8 and 64 ranks (fake process group on one
 #                GPU), eager blocks (bench/plan_accuracy.py)                          ("Memory plan")
+#   large        models larger than one GPU on one GPU: the 39.8B GPT (world 8) and a Llama-3-70B-shaped
+#                hf_causal_lm (world 64) built sharded under the fake process group and stepped once, and
+#                a 7B-class GPT with and without dist.offload (bench/large_models.py)
+#                                                                   ("Models larger than one GPU")
+#   float8       train.precision=fp8 through the runner next to bf16 and the plain torchao loop: the
+#                4096-wide GPT, the Llama-1B recipe's shape and the 1.5B GPT, tensorwise and rowwise;
+#                then the Shakespeare loss curves, bf16 (2 seeds) and fp8 (bench/float8.py)
+#                                                                              ("Float8 training")
 #   checkpoint   how long a sharded checkpoint's save blocks training, synchronous against asynchronous:
 #                bench/checkpoint_stall.py on one GPU (4 GB of parameters + AdamW) and FSDP2 over
 #                every GPU                                                         ("Sharded checkpoints")
@@ -164,6 +172,17 @@ for suite in "$@"; do
         rm -f "$OUT/plan_accuracy.jsonl"
         run plan_accuracy $PY -m bench.plan_accuracy --json "$OUT/plan_accuracy.jsonl"
         ;;
+    large)
+        run large_build $PY -m bench.large_models --parts build
+        run large_offload $PY -m bench.large_models --parts offload
+        ;;
+    float8)
+        rm -f "$OUT/float8.jsonl"
+        for model in gpt4096 llama1b gpt1.5b; do
+            run "float8_$model" $PY -m bench.float8 --models "$model" --json "$OUT/float8.jsonl"
+        done
+        run float8_curve $PY -m bench.float8 --curve --text "$TEXT" --json "$OUT/float8.jsonl" --out "$OUT"
+        ;;
     checkpoint)
         run checkpoint_single $PY -m bench.checkpoint_stall --device cuda --mb 4000
         run checkpoint_fsdp $TORCHRUN -m bench.checkpoint_stall --device cuda --fsdp --mb 4000
@@ -223,7 +242,8 @@ done
 
 # each command's own table, then the status of every command
 for name in tests step step_broadcast-buffers step_no-broadcast-buffers compile_startup allreduce fallback cifar \
-    shakespeare llama_recipe checkpoint_single checkpoint_fsdp scale_report hfio_report; do show "$name" 30; done
+    shakespeare llama_recipe checkpoint_single checkpoint_fsdp scale_report hfio_report large_build large_offload \
+    float8_gpt4096 float8_llama1b float8_gpt1.5b float8_curve plan_accuracy; do show "$name" 30; done
 for log in "$OUT"/gpt_*.log "$OUT"/sharding_*.log; do
     case $log in *baseline*) ;; *) [ -f "$log" ] && show "$(basename "$log" .log)" 14 ;; esac
 done
