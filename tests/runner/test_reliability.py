@@ -369,7 +369,6 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path):
 # torchrun (which forwards it), once or in copies, at a random moment: during the start, a step, a background
 # save, the final evaluation and save, the teardown. Seeded; DISTLIB_SIGNAL_TRIALS=N runs N trials (each an
 # interrupted run and its rerun, about a minute here), DISTLIB_SIGNAL_SEED another set of moments.
-SIGNAL_TRIALS = int(os.environ.get("DISTLIB_SIGNAL_TRIALS", "2"))
 SIGNAL_SEED = int(os.environ.get("DISTLIB_SIGNAL_SEED", "0"))
 EVERY_6 = ("run.checkpoint_every_steps=6",)  # background saves every 6 steps too: more moments inside a save
 
@@ -377,6 +376,7 @@ EVERY_6 = ("run.checkpoint_every_steps=6",)  # background saves every 6 steps to
 # (to every process, copies, moment) of the first trials: what schedulers do (every process, a copy from
 # torchrun), in each stage; later trials draw all three
 SCENARIOS = [(True, 2, "save"), (True, 1, "training"), (True, 3, "start"), (True, 2, "final save"), (False, 1, "save")]
+SIGNAL_TRIALS = int(os.environ.get("DISTLIB_SIGNAL_TRIALS", str(len(SCENARIOS))))  # each scenario once by default
 
 
 def signal_moment(job: Job, out_dir: str, rng: random.Random, kind: str) -> str:
