@@ -1,7 +1,7 @@
 """The memory plan against the memory the runner's step takes, on one GPU.
 
     python -m bench.plan_accuracy            # one H200: the 1.5B GPT, a 6.7B GPT, the Llama-1B recipe
-    python -m bench.plan_accuracy --tiny     # a tiny GPT on the CPU (the test)
+    python -m bench.plan_accuracy --tiny     # a tiny and a small GPT on the CPU (the tests)
 
 For each case (model, world size, ``dist.shard`` mode, ``train.activation_checkpointing``) the plan
 (``distlib.runner.training.memory_plan``, fake tensors on the CPU) is made first, then the runner's own
@@ -43,6 +43,11 @@ MODELS = {
     "gpt-6.7B": ("recipes/gpt_shakespeare.yaml", GPT_6_7B, 1),
     "llama-1B": ("recipes/llama_1b.yaml", [], 8),
     "gpt-tiny": ("recipes/gpt_demo.yaml", ["model.args.n_layer=6", "train.precision=fp32"], 8),
+    "gpt-small": (
+        "recipes/gpt_demo.yaml",
+        ["model.args.n_layer=8", "model.args.n_embd=256", "data.args.block_size=256", "train.precision=fp32"],
+        4,
+    ),
 }
 # (model, world size, dist.shard, checkpointing): eager blocks (train.compile=none) unless --compile
 CASES = [
@@ -54,6 +59,8 @@ CASES = [
     ("llama-1B", 64, "full", "none"), ("llama-1B", 8, "optimizer", "full"),
 ]  # fmt: skip
 TINY = [("gpt-tiny", w, s, ac) for w in (1, 2) for s in ("none", "optimizer", "full") for ac in ("none", "full")]
+# enough blocks and width that FSDP2's first blocks (not yet linear under checkpointing) would show
+TINY += [("gpt-small", w, "full", ac) for w in (1, 8) for ac in ("none", "full", "selective")]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -64,7 +71,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="only these cases (repeatable), e.g. gpt-tiny:2:full:none")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="train.compile=true (the plan measures eager blocks)")
     p.add_argument("--json", default=os.path.join(".bench", "out", "plan_accuracy.jsonl"), help="rows appended here")
-    p.add_argument("--tiny", action="store_true", help="a tiny GPT on the CPU, at 1 and 2 fake ranks")
+    p.add_argument("--tiny", action="store_true", help="small GPTs on the CPU, at 1, 2 and 8 fake ranks")
     return p.parse_args(argv)
 
 

@@ -60,6 +60,26 @@ def test_blocks_extrapolate_exactly_and_the_parts_follow_the_shard_mode():
     assert full["gathered blocks"] > 0 and none["gathered blocks"] == 0
 
 
+@pytest.mark.parametrize("world", [1, 8])
+def test_a_checkpointed_fully_sharded_model_is_extrapolated_from_where_each_block_adds_the_same(world):
+    """Under dist.shard=full with full checkpointing, 2 and 3 blocks peak at different points of the
+    backward (one more block gathered at 3): taken as every block's step, that difference planned an
+    8-block GPT at 8 fake ranks 25% over the CPU allocator's peak of the runner's step, and a 6.7B GPT
+    with negative parts. The plan is the whole model's, to the byte, and the measured peak's."""
+    from bench import plan_accuracy
+
+    cfg, per_rank = plan_accuracy.config_of("gpt-small", world, "full", "full", False)
+    spec = step_spec(cfg)
+    assert spec.layers == 8
+    with fake_world(world):
+        kw = dict(shard="full", world_size=world, batch=per_rank, checkpointing="full", precision="fp32")
+        planned = step_memory(spec, **kw)
+        assert planned == measure_step(spec, **kw)
+    assert all(v >= 0 for v in planned.parts.values()), planned.parts
+    measured = plan_accuracy.measure(cfg, world, per_rank, torch.device("cpu"))["step"]
+    assert abs(planned.peak / measured - 1) < 0.02, (planned.peak, measured)
+
+
 def test_checkpointing_and_float8_keep_less_for_backward():
     """Activation checkpointing and float8 matrix products (float8 copies of every Linear's input and
     weight kept for backward; the output layer in bf16) lower the activations, not the weights."""
