@@ -243,3 +243,11 @@ def test_the_plan_is_within_10_percent_of_the_gpus_peak(world, shard):
     planned = plan(cfg, world, shards=(shard,), checkpointing=("none",), batches=False, warm_up=True).peak()
     measured = plan_accuracy.measure(cfg, world, 4, torch.device("cuda"))["step"]
     assert abs(planned / measured - 1) < 0.10, (planned, measured)
+
+
+def test_the_recipes_vocabulary_wins_over_the_datas_as_in_the_build():
+    """byte_text provides 256 tokens, model.args.vocab_size=50304 overrides it in the model: the
+    logits (and the largest batch) are planned at the model's vocabulary."""
+    spec = step_spec(_tiny("model.args.vocab_size=50304"))
+    assert spec.vocab_size == 50304 == spec.build().lm_head.out_features
+    assert step_spec(_tiny()).vocab_size == 256

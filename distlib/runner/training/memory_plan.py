@@ -54,12 +54,13 @@ from distlib.runner import components
 from distlib.runner.config import LM_DATA, Config, ConfigError, task_of
 from distlib.runner.models.parameters import param_groups
 from distlib.runner.tasks.causal_lm import recipe_vocab_size
+from distlib.runner.training.optimizer_step import PRECISIONS
 
 GIB = 2**30
 SHARD_MODES = ("none", "optimizer", "full")
 CHECKPOINTING = ("none", "full", "selective")
 # the compute dtype of each train.precision on a GPU (fp8: bf16 around the float8 matrix products)
-_COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None, "fp8": torch.bfloat16}
+_COMPUTE = PRECISIONS
 PARTS = ("parameters", "gradients", "optimizer state", "gathered blocks", "activations")
 
 
@@ -225,7 +226,8 @@ def step_spec(cfg: Config) -> StepSpec:
     provided: dict[str, Any] = {"block_size": seq_len}
     if cfg.data.name == "byte_text":
         provided["vocab_size"] = 256
-    vocab = provided.get("vocab_size") or recipe_vocab_size(cfg)
+    # the recipe's own vocab_size wins over what the data provides, as components.build lets it
+    vocab = recipe_vocab_size(cfg) or provided.get("vocab_size")
     if vocab is None and cfg.data.name not in LM_DATA:
         raise PlanError(["memory plan: the model's vocabulary size: set model.args.vocab_size"])
     loss = components.resolve("loss", cfg.loss.name)
