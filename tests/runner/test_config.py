@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -251,6 +252,13 @@ def test_a_config_error_on_another_local_rank_waits_for_torchrun_then_is_not_los
     err = capsys.readouterr().err
     assert waits == [outcome.PEER_REPORT_WAIT_S] and err.startswith("error: invalid configuration"), err
     assert err.count("train.x: bad") == 1
+
+    def terminated(seconds: float) -> None:
+        raise outcome.Interrupted(signal.SIGTERM)  # the launcher's stop handler, on torchrun's SIGTERM
+
+    monkeypatch.setattr(outcome.time, "sleep", terminated)
+    assert outcome.exit_code(ConfigError(["train.x: bad"]), 0.0, before_start=True) == 2
+    assert capsys.readouterr().err == ""  # no traceback, no second copy of local rank 0's message
     for env in ({"LOCAL_RANK": "0"}, {"TORCHELASTIC_RUN_ID": None}):
         for k, v in env.items():
             monkeypatch.delenv(k) if v is None else monkeypatch.setenv(k, v)
