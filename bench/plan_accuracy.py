@@ -81,7 +81,9 @@ def config_of(model: str, world: int, shard: str, ac: str, compile_: bool) -> tu
     recipe, overrides, per_rank = MODELS[model]
     cfg = load_config(recipe, [*overrides, f"train.batch_size={per_rank * world}", f"dist.shard={shard}",
                                f"train.activation_checkpointing={ac}", f"train.compile={str(compile_).lower()}",
-                               "run.checkpoint_staging=host", "train.prewarm_steps=1"])  # fmt: skip
+                               "run.checkpoint_staging=host", "train.prewarm_steps=2"])  # fmt: skip
+    # two warm-up steps: the second runs with the optimizer's state and the copy of the weights, the
+    # warm-up's peak as with the runner's default five (one would end before the state exists)
     return cfg, per_rank
 
 
