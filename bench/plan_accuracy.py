@@ -70,18 +70,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--case", action="append", default=[], metavar="MODEL:RANKS:SHARD:CHECKPOINTING",
                    help="only these cases (repeatable), e.g. gpt-tiny:2:full:none")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="train.compile=true (the plan measures eager blocks)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe override for every case (repeatable), e.g. dist.bucket_mb=1")  # fmt: skip
     p.add_argument("--json", default=os.path.join(".bench", "out", "plan_accuracy.jsonl"), help="rows appended here")
     p.add_argument("--tiny", action="store_true", help="small GPTs on the CPU, at 1, 2 and 8 fake ranks")
     return p.parse_args(argv)
 
 
-def config_of(model: str, world: int, shard: str, ac: str, compile_: bool) -> tuple:
+def config_of(model: str, world: int, shard: str, ac: str, compile_: bool, extra: tuple[str, ...] = ()) -> tuple:
     from distlib.runner.config import load_config
 
     recipe, overrides, per_rank = MODELS[model]
     cfg = load_config(recipe, [*overrides, f"train.batch_size={per_rank * world}", f"dist.shard={shard}",
                                f"train.activation_checkpointing={ac}", f"train.compile={str(compile_).lower()}",
-                               "run.checkpoint_staging=host", "train.prewarm_steps=2"])  # fmt: skip
+                               "run.checkpoint_staging=host", "train.prewarm_steps=2", *extra])  # fmt: skip
     # two warm-up steps: the second runs with the optimizer's state and the copy of the weights, the
     # warm-up's peak as with the runner's default five (one would end before the state exists)
     return cfg, per_rank
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = device_bytes() if device.type == "cuda" else None
     rows: list[dict] = []
     for model, world, shard, ac in cases:
-        cfg, per_rank = config_of(model, world, shard, ac, args.compile)
+        cfg, per_rank = config_of(model, world, shard, ac, args.compile, tuple(args.set))
         t0 = time.perf_counter()
         result = plan(cfg, world, gpu_bytes=gpu, shards=(shard,), checkpointing=(ac,), batches=False,
                       warm_up=device.type == "cuda")  # fmt: skip

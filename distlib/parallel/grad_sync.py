@@ -339,7 +339,7 @@ class GradSync:
             bucket.used.copy_(torch.tensor([float(s.used) for s in bucket.slots], dtype=bucket.used.dtype))
         if self.world_size == 1:
             return  # shard="optimizer": the marks only; the gradients stay in .grad (see _layout)
-        srcs, dsts, zeros = [], [], []
+        srcs, dsts, zeros, copied = [], [], [], []
         for s in bucket.slots:
             g = s.param.grad
             if g is s.view:
@@ -349,8 +349,15 @@ class GradSync:
             else:
                 srcs.append(g)
                 dsts.append(s.view)
+                copied.append(s.param)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
+            # the bucket holds them now: autograd's own gradient tensors go at once, not at wait(),
+            # so the backward never holds every gradient twice (after zero_grad(set_to_none=True)
+            # autograd makes new ones each step); in stream order, so the copies have read them
+            for param, view in zip(copied, dsts):
+                param.grad = view
+            del srcs
         if zeros:
             torch._foreach_zero_(zeros)
         if self._prediv:
@@ -372,7 +379,9 @@ class GradSync:
         bucket.work = dist.all_reduce(payload, op=self._op, group=group, async_op=True)
 
     def wait(self) -> None:
-        """Leave every gradient averaged over the ranks (``p.grad`` a view into its bucket).
+        """Leave every gradient averaged over the ranks (``p.grad`` a view into its bucket; a
+        bucket's views are attached when it is launched during backward, autograd's own gradient
+        tensors freed then: read gradients after ``wait()``).
 
         A parameter that no rank used since the last synced step keeps its ``.grad`` untouched
         (None after ``opt.zero_grad()``), as DDP with ``find_unused_parameters=True`` leaves it, so

@@ -533,6 +533,45 @@ def test_preflight_compares_buffers_and_registration_order():
         assert "'lin.weight' has requires_grad=False, rank 0 has True" in res["requires_grad"], res["requires_grad"]
 
 
+def _autograd_grads_after_backward(ctx, shard: str) -> list[int]:
+    """After each backward (before wait()): how many of autograd's own gradient tensors are still alive,
+    and whether every .grad is already its bucket's view."""
+    import weakref
+
+    torch.manual_seed(0)
+    model = Net()
+    made: list[weakref.ref] = []
+    for p in model.parameters():  # registered before GradSync's hooks: they see autograd's tensor
+        p.register_post_accumulate_grad_hook(lambda p: made.append(weakref.ref(p.grad)))
+    sync = GradSync(model, bucket_mb=1e-3, first_bucket_mb=1e-4, shard=shard)
+    if shard == "optimizer":
+        opt = sync.sharded_optimizer(torch.optim.SGD, model.parameters(), lr=0.1)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    alive = []
+    for step in range(3):  # the first layout, then the one rebuilt from the arrival order
+        made.clear()
+        x, y = _batch(step, B)
+        F.cross_entropy(model(x), y).backward()
+        alive.append(sum(r() is not None for r in made))
+        flat = {st.data_ptr() for st in sync._storages}  # rebuilt after the first step (arrival order)
+        views = all(p.grad.untyped_storage().data_ptr() in flat for p in model.parameters())
+        sync.wait()
+        opt.step()
+        opt.zero_grad(set_to_none=True)  # autograd makes new gradient tensors in the next backward
+        alive.append(int(not views))
+    return alive
+
+
+@pytest.mark.parametrize("shard", ["none", "optimizer"])
+def test_autograd_gradients_are_freed_when_their_bucket_is_launched(shard):
+    """Each bucket's gradients are copied into it when the bucket is complete; autograd's own tensors
+    go then, not at wait(): the backward never holds every gradient twice (the memory plan counts
+    them once)."""
+    for alive in run_ranks(_autograd_grads_after_backward, 2, shard):
+        assert alive == [0] * 6, alive
+
+
 def _twice(ctx):
     model = Net()
     sync = GradSync(model, bucket_mb=1e-4, first_bucket_mb=1e-5)

@@ -321,7 +321,8 @@ def _float8_linears(model: nn.Module, spec: StepSpec, blocks: list[nn.Module]) -
 
 def _flat_buckets(params: list[nn.Parameter]) -> torch.Tensor:
     """GradSync's flat gradient buffer at world size > 1: every gradient copied into it once produced
-    (then ``.grad`` is a view of it), kept between steps."""
+    (then ``.grad`` is a view of it and autograd's tensor is freed), kept between steps. GradSync
+    copies a bucket's gradients once the bucket is complete: up to one bucket more, not planned."""
     flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
     at = 0
     for p in params:
