@@ -149,12 +149,20 @@ def comm_groups(n: int) -> list[dist.ProcessGroup | None]:
         return [None] * n
     world = dist.group.WORLD
     if _EXTRA_GROUPS is None or _EXTRA_GROUPS[0]() is not world:
-        _EXTRA_GROUPS = (weakref.ref(world), [])  # weak: the cache must not keep the default group alive
+        # weak: the cache must not keep the default group alive; once it is gone (a caller's own
+        # dist.destroy_process_group(), without distlib.shutdown()) the extra groups are dropped too
+        _EXTRA_GROUPS = (weakref.ref(world, _world_gone), [])
     extra = _EXTRA_GROUPS[1]
     while len(extra) < n - 1:  # the same number of new_group calls on every rank: the same n
         desc = f"distlib_comm_group_{len(extra) + 1}"
         extra.append(dist.new_group(timeout=_world_timeout(), group_desc=desc))
     return [None] + extra[: n - 1]
+
+
+def _world_gone(ref: weakref.ref) -> None:
+    global _EXTRA_GROUPS
+    if _EXTRA_GROUPS is not None and _EXTRA_GROUPS[0] is ref:
+        _EXTRA_GROUPS = None
 
 
 def forget_groups() -> None:

@@ -130,3 +130,24 @@ def test_reference_inputs_differ_per_rank():
     assert not torch.equal(a, b) and not torch.equal(b, c)
     mx = torch.stack([a, b, c]).argmax(0)
     assert len(set(mx.flatten().tolist())) == 3  # each rank holds some of the maxima
+
+
+def test_comm_groups_are_dropped_with_the_default_group_they_were_made_under():
+    """A caller that destroys the process group itself (not distlib.shutdown()): the extra groups
+    comm_groups made go with it, instead of staying referenced (a gloo group kept alive keeps its
+    worker threads, and the abort at exit) until the next call."""
+    import gc
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from distlib.distributed import collectives
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        groups = collectives.comm_groups(2)
+        assert groups[0] is None and groups[1] is not None and collectives._EXTRA_GROUPS is not None
+    finally:
+        dist.destroy_process_group()
+    del groups
+    gc.collect()
+    assert collectives._EXTRA_GROUPS is None
