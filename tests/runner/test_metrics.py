@@ -82,8 +82,10 @@ def test_the_run_directory_and_the_progress_display_take_rows_as_sinks(tmp_path,
 
 
 def wandb_history(run_dir) -> tuple[list[str], list[dict]]:
-    """The run ids and logged rows of every offline W&B run in ``run_dir``, read from W&B's own
-    transaction log (``run-<id>.wandb``: a LevelDB-style log of ``wandb_internal_pb2.Record``s)."""
+    """The run ids and logged rows (in step order) of every offline W&B run in ``run_dir``, read from
+    W&B's own transaction log (``run-<id>.wandb``: a LevelDB-style log of ``wandb_internal_pb2.Record``s).
+    Step order, not the files' order: W&B names a run's folder by the second it started, so a run and
+    its resume within one second sort either way."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     ids, rows = [], []
@@ -107,7 +109,7 @@ def wandb_history(run_dir) -> tuple[list[str], list[dict]]:
                 elif record.WhichOneof("record_type") == "history":
                     item = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
                     rows.append({k: v for k, v in item.items() if not k.startswith("_")})
-    return ids, rows
+    return ids, sorted(rows, key=lambda row: row.get("step", -1))
 
 
 def test_wandb_offline_logs_each_rows_numbers_at_its_step_and_a_resume_continues_the_run(tmp_path, monkeypatch):
