@@ -339,25 +339,16 @@ class GradSync:
             bucket.used.copy_(torch.tensor([float(s.used) for s in bucket.slots], dtype=bucket.used.dtype))
         if self.world_size == 1:
             return  # shard="optimizer": the marks only; the gradients stay in .grad (see _layout)
-        srcs, dsts, zeros, copied = [], [], [], []
-        for s in bucket.slots:
-            g = s.param.grad
-            if g is s.view:
-                continue  # accumulated in place by autograd
-            if g is None:
-                zeros.append(s.view)  # no gradient here (yet): contributes zeros
-            else:
-                srcs.append(g)
-                dsts.append(s.view)
-                copied.append(s.param)
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
+        # autograd accumulated into the views (s.param.grad is s.view): nothing to move
+        moved = [s for s in bucket.slots if s.param.grad is not None and s.param.grad is not s.view]
+        zeros = [s.view for s in bucket.slots if s.param.grad is None]  # no gradient here (yet): zeros
+        if moved:
+            torch._foreach_copy_([s.view for s in moved], [s.param.grad for s in moved])
             # the bucket holds them now: autograd's own gradient tensors go at once, not at wait(),
             # so the backward never holds every gradient twice (after zero_grad(set_to_none=True)
             # autograd makes new ones each step); in stream order, so the copies have read them
-            for param, view in zip(copied, dsts):
-                param.grad = view
-            del srcs
+            for s in moved:
+                s.param.grad = s.view
         if zeros:
             torch._foreach_zero_(zeros)
         if self._prediv:
