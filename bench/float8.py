@@ -26,9 +26,11 @@ weights), and the speed-up over the same loop's bf16 row. Rows are JSON lines
 (``--json``), the table last. BENCHMARKS.md, "Float8 training".
 
 ``--curve``: ``recipes/gpt_shakespeare.yaml`` at ``--curve-size`` (24 x 1024 by default, 302M parameters, bytes)
-for ``--curve-steps`` steps of 16 x 512 bytes through the runner's whole run (``Trainer.fit``), bf16 with seeds
-0 and 1 (the noise) and fp8 (``--curve-recipe``) with seed 0, evaluated ``--curve-evals`` times (20); the
-validation losses of the three in a table and a plot (``float8_curve.png`` in ``--out``).
+for ``--curve-steps`` steps of 16 x 512 bytes through the runner's whole run (``Trainer.fit``, no final
+checkpoint), bf16 with seeds 0 and 1 (the noise) and fp8 (``--curve-recipe``) with seed 0, evaluated
+``--curve-evals`` times (20); the validation losses of the three in a table and a plot (``float8_curve.png``
+in ``--out``). ``--curve-jobs 3`` runs the three at once, each in a process of its own (the losses are the
+same; the tokens/s, shared, are not one run's).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -287,7 +290,12 @@ def table(rows: list[dict]) -> str:
 
 
 # ---- the loss curve ----------------------------------------------------------------------------------
-def curve(args: argparse.Namespace, device: torch.device) -> int:
+def _curve_dir(args: argparse.Namespace, precision: str, seed: int) -> str:
+    return os.path.join(args.dir, f"curve-{precision}-{seed}")
+
+
+def _curve_run(args: argparse.Namespace, precision: str, seed: int, device: torch.device) -> None:
+    """One curve through the runner's whole run (``Trainer.fit``): its metrics.jsonl in ``_curve_dir``."""
     from bench.gpt_step import parse_size
     from distlib.distributed.process_group import Context
     from distlib.runner.config import load_config
@@ -296,39 +304,67 @@ def curve(args: argparse.Namespace, device: torch.device) -> int:
 
     layers, heads, width = parse_size(args.curve_size)
     every = max(1, args.curve_steps // args.curve_evals)
+    overrides = [
+        f"data.root={args.text}", f"data.args.block_size={args.curve_seq}", f"model.args.n_layer={layers}",
+        f"model.args.n_head={heads}", f"model.args.n_embd={width}", f"train.batch_size={args.curve_batch}",
+        "train.epochs=0", f"train.max_steps={args.curve_steps}", f"train.eval_every_steps={every}",
+        "train.eval_every=0", "train.sample_tokens=0", f"train.seed={seed}",
+        f"run.out_dir={_curve_dir(args, precision, seed)}", "run.resume=false", "run.progress=plain",
+        "run.final_checkpoint=none",
+        f"train.compile_backend={args.compile_backend}",
+        *([f"data.args.val_frac={args.curve_val_frac}"] if args.curve_val_frac else []),
+        *(["train.precision=bf16"] if precision == "bf16" else
+          ["train.precision=fp8", f"train.fp8_recipe={precision}", f"train.fp8_layers={args.curve_layers}"]),
+    ]  # fmt: skip
+    cfg = load_config(os.path.join(ROOT, "recipes", "gpt_shakespeare.yaml"), overrides)
+    ctx = Context(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device, backend="none")
+    _clear(device)
+    trainer = Trainer(cfg, ctx, Timeline())
+    try:
+        trainer.build()
+        assert trainer.fit() == 0
+    finally:
+        trainer.close()
+
+
+def curve(args: argparse.Namespace, device: torch.device) -> int:
+    """The curves of ``--curve``, then their table and plot."""
     runs = [("bf16", 0), ("bf16", 1), (args.curve_recipe, 0)]
-    curves, rows = {}, []
+    if args.curve_run:  # a child of --curve-jobs: one curve, its metrics.jsonl in its folder of --dir
+        precision, seed = args.curve_run.split(":")
+        _curve_run(args, precision, int(seed), device)
+        return 0
+    curves, rows, seconds = {}, [], {}
+    if args.curve_jobs > 1:  # each curve in a process of its own, --curve-jobs at once on the one device
+        procs = {}
+        pending = list(runs)
+        while pending or procs:
+            while pending and len(procs) < args.curve_jobs:
+                precision, seed = pending.pop(0)
+                cmd = [sys.executable, "-m", "bench.float8", *args.argv, "--dir", args.dir,
+                       "--curve-run", f"{precision}:{seed}"]  # fmt: skip
+                procs[(precision, seed)] = (subprocess.Popen(cmd, cwd=ROOT), time.perf_counter())
+            for run, (proc, t0) in list(procs.items()):
+                if proc.poll() is not None:
+                    if proc.returncode:
+                        raise SystemExit(f"the curve {run} exited {proc.returncode}")
+                    seconds[run] = time.perf_counter() - t0
+                    del procs[run]
+            time.sleep(1)
     for precision, seed in runs:
-        label = f"{'bf16' if precision == 'bf16' else 'fp8 ' + precision} seed {seed}"
-        out = os.path.join(args.dir, f"curve-{precision}-{seed}")
-        overrides = [
-            f"data.root={args.text}", f"data.args.block_size={args.curve_seq}", f"model.args.n_layer={layers}",
-            f"model.args.n_head={heads}", f"model.args.n_embd={width}", f"train.batch_size={args.curve_batch}",
-            "train.epochs=0", f"train.max_steps={args.curve_steps}", f"train.eval_every_steps={every}",
-            "train.eval_every=0", "train.sample_tokens=0", f"train.seed={seed}", f"run.out_dir={out}",
-            "run.resume=false", "run.progress=plain", f"train.compile_backend={args.compile_backend}",
-            *([f"data.args.val_frac={args.curve_val_frac}"] if args.curve_val_frac else []),
-            *(["train.precision=bf16"] if precision == "bf16" else
-              ["train.precision=fp8", f"train.fp8_recipe={precision}", f"train.fp8_layers={args.curve_layers}"]),
-        ]  # fmt: skip
-        cfg = load_config(os.path.join(ROOT, "recipes", "gpt_shakespeare.yaml"), overrides)
-        ctx = Context(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device, backend="none")
-        _clear(device)
         t0 = time.perf_counter()
-        trainer = Trainer(cfg, ctx, Timeline())
-        try:
-            trainer.build()
-            assert trainer.fit() == 0
-        finally:
-            trainer.close()
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            points = [json.loads(line) for line in f if line.strip()]
-        points = [(p["step"], p["val_loss"]) for p in points if p.get("val_loss") is not None]
+        if args.curve_jobs <= 1:
+            _curve_run(args, precision, seed, device)
+        label = f"{'bf16' if precision == 'bf16' else 'fp8 ' + precision} seed {seed}"
+        with open(os.path.join(_curve_dir(args, precision, seed), "metrics.jsonl")) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+        points = [(p["step"], p["val_loss"]) for p in lines if p.get("val_loss") is not None]
         curves[label] = points
-        speed = [p.get("tokens_per_s") for p in map(json.loads, open(os.path.join(out, "metrics.jsonl")))]
+        speed = [p.get("tokens_per_s") for p in lines if p.get("tokens_per_s")]
         row = {"curve": label, "final_val_loss": points[-1][1], "min_val_loss": min(v for _, v in points),
-               "tokens_per_s": statistics.median([s for s in speed if s]) if any(speed) else None,
-               "run_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+               # with --curve-jobs > 1 the curves shared the device: their tokens/s are not one run's
+               "tokens_per_s": statistics.median(speed) if speed else None, "concurrent": args.curve_jobs,
+               "run_s": round(seconds.get((precision, seed), time.perf_counter() - t0), 1)}  # fmt: skip
         rows_.emit("float8_curve", args.json, row, rows)
     plot = os.path.join(args.out, "float8_curve.png")
     os.makedirs(args.out, exist_ok=True)
@@ -378,10 +414,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--curve-evals", type=int, default=20, help="evaluations over the run")
     p.add_argument("--curve-val-frac", type=float, default=0.0, help="data.args.val_frac; 0: the recipe's")
     p.add_argument("--curve-recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
+    p.add_argument(
+        "--curve-jobs",
+        type=int,
+        default=1,
+        help="curves at once, each in a process of its own (their tokens/s then share the device)",
+    )
+    p.add_argument("--curve-run", default="", help=argparse.SUPPRESS)  # PRECISION:SEED, one curve (a child)
     p.add_argument("--curve-layers", default="auto", choices=["auto", "all"], help="train.fp8_layers of the fp8 run")
     p.add_argument("--text", default=os.path.join(ROOT, "data", "shakespeare.txt.gz"))
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(".bench", "out"), help="where the plot goes")
     args = p.parse_args(argv)
+    args.argv = list(argv)  # what a --curve-jobs child is started with
     for name, values, known in (("--models", args.models, MODELS), ("--precisions", args.precisions, PRECISIONS),
                                 ("--loops", args.loops, LOOPS)):  # fmt: skip
         if bad := [v for v in values if v not in known]:

@@ -590,9 +590,10 @@ def test_float8_bench_runs_tiny_on_the_cpu(tmp_path):
         assert (r["float8_layers"] > 0) == (r["precision"] == "rowwise"), r
     assert "| gpt4096 | runner | bf16 |" in proc.stdout and "| 1.000 |" in proc.stdout
     assert "llama1b rowwise: runner / plain" in proc.stdout
-    curve = subprocess.run([sys.executable, "-m", "bench.float8", "--tiny", "--curve", f"--json={out}",
-                            f"--dir={tmp_path / 'work'}", f"--out={tmp_path}"], cwd=ROOT, capture_output=True,
-                           text=True, timeout=600)  # fmt: skip
+    # two curves at once, each in a process of its own: the parallel path (its children) and the table
+    curve = subprocess.run([sys.executable, "-m", "bench.float8", "--tiny", "--curve", "--curve-jobs=2",
+                            f"--json={out}", f"--dir={tmp_path / 'work'}", f"--out={tmp_path}"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert curve.returncode == 0, curve.stdout[-3000:] + curve.stderr[-3000:]
     assert (tmp_path / "float8_curve.png").stat().st_size > 0
     assert "bf16 seed 0 | bf16 seed 1 | fp8 tensorwise seed 0 |" in curve.stdout
