@@ -160,6 +160,20 @@ def test_the_warm_up_runs_the_first_and_the_last_evaluation_batch_not_the_whole_
     assert warm == [sizes[0], sizes[-1]], (warm, sizes)
 
 
+@pytest.mark.gpus(1)
+def test_a_step_taken_after_the_build_outside_an_epoch_keeps_its_loss_on_the_gpu(tmp_path, world_size_1):
+    """``train_step`` right after ``build``, as the benchmarks time it: the loss it adds to the train
+    state is on the GPU, and so is the sum it adds it to (it was on the host until the first epoch)."""
+    cfg = load_config(DEMO, [*SMALL, f"run.out_dir={tmp_path / 'out'}"])
+    with built(cfg, distlib.init()) as trainer:
+        assert trainer.ctx.device.type == "cuda"
+        x, y = trainer.task.warm_up_batch()
+        trainer.train_step(x, y)
+        trainer.train_step(x, y)
+        assert trainer.state.step == 2 and trainer.state.loss_sum.device == trainer.ctx.device
+        assert torch.isfinite(trainer.state.loss_sum) and trainer.state.loss_sum > 0
+
+
 def test_training_starts_with_the_build_s_objects_out_of_the_collector(tmp_path, world_size_1, capsys):
     """What build() left (a compile's graphs and code) is collected once and frozen, so the collector's
     full passes during training do not walk it; the teardown unfreezes it before the process group

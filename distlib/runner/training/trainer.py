@@ -182,6 +182,8 @@ class Trainer:
         if ctx.device.type == "cuda":
             self.warm_up()
             self.timeline.mark("warmup_eval")  # the first evaluation (its cuDNN autotuning)
+        # where the step adds its loss from the first step on, also a step taken outside train_epoch
+        self.state.loss_sum = self.state.loss_sum.to(ctx.device)
         self.resume()
         # Compiling leaves many Python objects (graphs, guards, generated code): a full pass of the
         # collector over them, due whenever enough new objects piled up (FSDP2 makes many a step),
@@ -352,7 +354,7 @@ class Trainer:
         s, device, budget = self.state, self.ctx.device, self.budget
         epoch = s.epoch + 1
         if s.step == 0:
-            s.epoch_s, s.loss_sum = 0.0, torch.zeros(())
+            s.epoch_s, s.loss_sum = 0.0, torch.zeros((), device=device)
         s.loss_sum = s.loss_sum.to(device)
         last = min(len(self.loader), budget.total_steps - s.epoch * len(self.loader))  # the budget may end it early
         t0 = time.perf_counter() - s.epoch_s
