@@ -181,7 +181,7 @@ for suite in "$@"; do
         for model in gpt4096 llama1b gpt1.5b; do
             run "float8_$model" $PY -m bench.float8 --models "$model" --json "$OUT/float8.jsonl"
         done
-        run float8_curve $PY -m bench.float8 --curve --text "$TEXT" --json "$OUT/float8.jsonl" --out "$OUT"
+        run float8_curve $PY -m bench.float8 --curve --curve-jobs 3 --text "$TEXT" --json "$OUT/float8.jsonl" --out "$OUT"
         ;;
     checkpoint)
         run checkpoint_single $PY -m bench.checkpoint_stall --device cuda --mb 4000

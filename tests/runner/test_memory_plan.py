@@ -246,7 +246,10 @@ def test_offload_keeps_the_shards_off_the_device_and_reshard_after_forward_false
 def test_the_plan_is_within_10_percent_of_the_gpus_peak(world, shard):
     """A 6-block GPT of width 512 (bf16, 4 x 512 tokens per rank) on one GPU under a fake process
     group of ``world`` ranks: the plan against torch.cuda.max_memory_allocated of the runner's step
-    with its warm-up (bench/plan_accuracy.py at small sizes)."""
+    with its warm-up (bench/plan_accuracy.py at small sizes), measured the second time in this process:
+    the first time also counts the process's one-time CUDA allocations (65-75 MiB on an H200, about
+    12% of this small step; the plan does not hold them, docs/memory_plan.md), and whether a test
+    before it in the same worker made them would decide the result."""
     from bench import plan_accuracy
 
     cfg = load_config("recipes/gpt_demo.yaml", ["model.args.n_layer=6", "model.args.n_embd=512", "model.args.n_head=8",
@@ -254,6 +257,7 @@ def test_the_plan_is_within_10_percent_of_the_gpus_peak(world, shard):
                                                  f"dist.shard={shard}", "train.precision=bf16",
                                                  "run.checkpoint_staging=host", "train.prewarm_steps=2"])  # fmt: skip
     planned = plan(cfg, world, shards=(shard,), checkpointing=("none",), batches=False, warm_up=True).peak()
+    plan_accuracy.measure(cfg, world, 4, torch.device("cuda"))
     measured = plan_accuracy.measure(cfg, world, 4, torch.device("cuda"))["step"]
     assert abs(planned / measured - 1) < 0.10, (planned, measured)
 
