@@ -41,10 +41,16 @@ GPT_6_7B = ["model.args.n_layer=32", "model.args.n_embd=4096", "model.args.n_hea
 # the large-model issue's 39.8B GPT: 18.5 GiB of fp32 shards per rank at 8 ranks
 GPT_39_8B = ["model.args.n_layer=64", "model.args.n_embd=7168", "model.args.n_head=56", "model.args.vocab_size=50304",
              "data.args.block_size=1024", "model.args.dropout=0.0"]  # fmt: skip
+# a Llama-3-70B-shaped hf_causal_lm (80 x 8192, vocabulary 128256): 4.1 GiB of fp32 shards per rank at 64
+LLAMA_70B = ["model.args.config.hidden_size=8192", "model.args.config.intermediate_size=28672",
+             "model.args.config.num_hidden_layers=80", "model.args.config.num_attention_heads=64",
+             "model.args.config.num_key_value_heads=8", "model.args.config.head_dim=128",
+             "model.args.config.tie_word_embeddings=false", "data.args.block_size=1024"]  # fmt: skip
 MODELS = {
     "gpt-1.5B": ("recipes/gpt_shakespeare.yaml", GPT_1_5B, 16),
     "gpt-6.7B": ("recipes/gpt_shakespeare.yaml", GPT_6_7B, 1),
     "gpt-39.8B": ("recipes/gpt_shakespeare.yaml", GPT_39_8B, 1),
+    "llama-70B": ("recipes/llama_1b.yaml", LLAMA_70B, 1),
     "llama-1B": ("recipes/llama_1b.yaml", [], 8),
     "gpt-tiny": ("recipes/gpt_demo.yaml", ["model.args.n_layer=6", "train.precision=fp32"], 8),
     "gpt-small": (
@@ -61,6 +67,7 @@ CASES = [
     ("gpt-6.7B", 8, "optimizer", "selective"),
     ("llama-1B", 1, "none", "none"), ("llama-1B", 1, "full", "none"), ("llama-1B", 8, "full", "none"),
     ("llama-1B", 64, "full", "none"), ("llama-1B", 8, "optimizer", "full"), ("gpt-39.8B", 8, "full", "none"),
+    ("llama-70B", 64, "full", "none"),
 ]  # fmt: skip
 TINY = [("gpt-tiny", w, s, ac) for w in (1, 2) for s in ("none", "optimizer", "full") for ac in ("none", "full")]
 # enough blocks and width that FSDP2's first blocks (not yet linear under checkpointing) would show
