@@ -120,7 +120,7 @@ class Trainer:
         self.log = distlib.get_logger()
         if ctx.is_main and (hint := bytecode_hint()):
             self.log.warning(hint)
-        self.state = TrainState()
+        self.state = TrainState(loss_sum=torch.zeros((), device=ctx.device))  # where each step adds its loss
         self.progress = TrainingProgress(cfg.run.progress, enabled=ctx.is_main)  # rank 0 only
         p = cfg.profile
         self.profiler = StepProfiler(os.path.join(cfg.run.out_dir, "profile"), ctx.rank, ctx.device,
@@ -182,8 +182,6 @@ class Trainer:
         if ctx.device.type == "cuda":
             self.warm_up()
             self.timeline.mark("warmup_eval")  # the first evaluation (its cuDNN autotuning)
-        # where the step adds its loss from the first step on, also a step taken outside train_epoch
-        self.state.loss_sum = self.state.loss_sum.to(ctx.device)
         self.resume()
         # Compiling leaves many Python objects (graphs, guards, generated code): a full pass of the
         # collector over them, due whenever enough new objects piled up (FSDP2 makes many a step),
@@ -355,7 +353,6 @@ class Trainer:
         epoch = s.epoch + 1
         if s.step == 0:
             s.epoch_s, s.loss_sum = 0.0, torch.zeros((), device=device)
-        s.loss_sum = s.loss_sum.to(device)
         last = min(len(self.loader), budget.total_steps - s.epoch * len(self.loader))  # the budget may end it early
         t0 = time.perf_counter() - s.epoch_s
         # this epoch's order, however the last pass ended: cut short by the budget's islice, an
