@@ -1,7 +1,8 @@
 """The memory plan against the memory the runner's step takes, on one GPU.
 
     python -m bench.plan_accuracy            # one H200: the 1.5B GPT, a 6.7B GPT, the Llama-1B recipe
-    python -m bench.plan_accuracy --tiny     # a tiny and a small GPT on the CPU (the tests)
+    python -m bench.plan_accuracy --tiny     # a tiny and a small GPT and a tiny Llama on the CPU (the tests)
+    python -m bench.plan_accuracy --plan-only  # the GPU cases' plans alone, on any machine (seconds each)
 
 For each case (model, world size, ``dist.shard`` mode, ``train.activation_checkpointing``) the plan
 (``distlib.runner.training.memory_plan``, fake tensors on the CPU) is made first, then the runner's own
@@ -53,6 +54,8 @@ MODELS = {
     "llama-70B": ("recipes/llama_1b.yaml", LLAMA_70B, 1),
     "llama-1B": ("recipes/llama_1b.yaml", [], 8),
     "gpt-tiny": ("recipes/gpt_demo.yaml", ["model.args.n_layer=6", "train.precision=fp32"], 8),
+    # a Hugging Face Llama with grouped-query attention (4 heads, 2 key/value heads), 6 layers
+    "llama-tiny": ("recipes/llama_demo.yaml", ["model.args.config.num_hidden_layers=6"], 8),
     "gpt-small": (
         "recipes/gpt_demo.yaml",
         ["model.args.n_layer=8", "model.args.n_embd=256", "data.args.block_size=256", "train.precision=fp32"],
@@ -72,6 +75,7 @@ CASES = [
 TINY = [("gpt-tiny", w, s, ac) for w in (1, 2) for s in ("none", "optimizer", "full") for ac in ("none", "full")]
 # enough blocks and width that FSDP2's first blocks (not yet linear under checkpointing) would show
 TINY += [("gpt-small", w, "full", ac) for w in (1, 8) for ac in ("none", "full", "selective")]
+TINY += [("llama-tiny", w, s, "none") for w in (1, 2) for s in ("none", "full")]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -84,7 +88,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a recipe override for every case (repeatable), e.g. dist.bucket_mb=1")  # fmt: skip
     p.add_argument("--json", default=os.path.join(".bench", "out", "plan_accuracy.jsonl"), help="rows appended here")
-    p.add_argument("--tiny", action="store_true", help="small GPTs on the CPU, at 1, 2 and 8 fake ranks")
+    p.add_argument("--tiny", action="store_true", help="small models on the CPU, at 1, 2 and 8 fake ranks")
+    p.add_argument("--plan-only", action="store_true",
+                   help="plan the cases as for a GPU run (its warm-up included) and measure nothing")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -191,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     from distlib.runner.training.memory_plan import device_bytes, plan
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    planned_as_gpu = device.type == "cuda" or (args.plan_only and not args.tiny)  # the runner warms up on a GPU
     cases = TINY if args.tiny else CASES
     if args.models:
         cases = [c for c in cases if c[0] in args.models.split(",")]
@@ -202,11 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg, per_rank = config_of(model, world, shard, ac, args.compile, tuple(args.set))
         t0 = time.perf_counter()
         result = plan(cfg, world, gpu_bytes=gpu, shards=(shard,), checkpointing=(ac,), batches=False,
-                      warm_up=device.type == "cuda")  # fmt: skip
+                      warm_up=planned_as_gpu)  # fmt: skip
         row = {"model": model, "world": world, "shard": shard, "ac": ac, "compile": args.compile,
                "tokens_per_rank": per_rank * result.seq_len, "plan_bytes": result.peak(),
                "plan_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
-        if result.fits() is False:
+        if args.plan_only:
+            row["note"] = "planned only"
+        elif result.fits() is False:
             row["note"] = "the plan says it does not fit: not run"
         else:
             try:

@@ -337,6 +337,56 @@ def test_flops_per_token_count_the_matrix_products_as_the_gpt_does():
     assert tied.num_params(embeddings=False) == tied.num_params()
 
 
+def test_its_forward_makes_no_attention_mask_where_transformers_cannot_read_the_positions():
+    """transformers looks for packed rows in the position ids of every forward given no mask; where it
+    cannot read values (fake tensors here; torch.compile and CUDA-graph capture alike) it assumes
+    packing and makes a (batch, 1, T, T) mask, and SDPA then repeats the keys and values for every
+    head. The wrapper's rows are never packed (it passes input_ids only): its forward makes no mask
+    and hands SDPA the grouped keys (2 key/value heads of 4), on fake and on real tensors with the
+    same logits as transformers; the same model called directly still gets transformers' mask: the
+    skip is the wrapper's, not the process's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from distlib.runner.models.hf_causal_lm import hf_causal_lm
+
+    B, T = 3, 16
+
+    class Seen(TorchDispatchMode):
+        """The key heads each attention call gets, and whether any op made a (B, 1, T, T) mask."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.key_heads: list[int] = []
+            self.mask = False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = func(*args, **(kwargs or {}))
+            if "scaled_dot_product" in str(func):
+                self.key_heads.append(args[1].shape[1])
+            self.mask |= any(isinstance(t, torch.Tensor) and tuple(t.shape) == (B, 1, T, T) for t in tree_leaves(out))
+            return out
+
+    def seen(call, x: torch.Tensor) -> Seen:  # noqa: ANN001
+        with Seen() as mode:
+            call(x)
+        return mode
+
+    torch.manual_seed(0)
+    model = hf_causal_lm(config=TINY)
+    x = torch.randint(0, 256, (B, T))
+    direct = lambda x: model.hf(input_ids=x, use_cache=False).logits  # noqa: E731
+    real = seen(model, x)
+    assert (real.key_heads, real.mask) == ([2, 2], False)
+    assert torch.equal(model(x), direct(x))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake_x = torch.zeros(B, T, dtype=torch.long)
+        wrapped, plain = seen(model, fake_x), seen(direct, fake_x)
+    assert (wrapped.key_heads, wrapped.mask) == ([2, 2], False)
+    assert plain.mask and plain.key_heads == [4, 4], "transformers' own detection no longer masks fake tensors"
+
+
 # ---- checkpoints and resume --------------------------------------------------------------------
 def _two_epochs(ctx, root: str, out: str, shard: str) -> list[dict]:
     from pathlib import Path

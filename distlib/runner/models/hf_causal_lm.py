@@ -188,6 +188,37 @@ def _meta_build(hf_config: Any, requested: Any) -> list[str]:
     return []
 
 
+class _OwnPositions:
+    """How many ``HFCausalLM`` forwards are running: transformers' packed-sequence detection skipped in them."""
+
+    depth = 0
+
+
+def _skip_packing_detection_in_own_calls() -> None:
+    """transformers (``masking_utils``) looks, in every forward given no attention mask, for packed
+    sequences: position ids that restart inside a row. On real tensors that check reads a value
+    back (a device-to-host sync in every forward); where it cannot read values (fake tensors,
+    torch.compile, CUDA-graph capture) it assumes packing and makes a (batch, 1, T, T) mask, which
+    makes SDPA repeat the keys and values for every head (no grouped-query path) and keep the mask
+    for backward: 160 MiB a layer at 8 x 2048 tokens of a Llama-3.2-1B shape, 2.5 GiB over its 16
+    layers in the memory plan. ``HFCausalLM`` passes ``input_ids`` only, so the model makes its own
+    positions 0..T-1 and a row is never packed: in its forwards the detection answers "not packed"
+    without looking. Installed once; a transformers without the function is left as it is."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return
+    find = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if find is None or getattr(find, "_distlib_wrapper", False):
+        return
+
+    def find_unless_own(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        return None if _OwnPositions.depth else find(position_ids, *args, **kwargs)
+
+    find_unless_own._distlib_wrapper = True  # type: ignore[attr-defined]
+    masking_utils.find_packed_sequence_indices = find_unless_own
+
+
 class HFCausalLM(nn.Module):
     """``logits = model(idx)``: a transformers causal LM (``self.hf``) called with ``input_ids``,
     returning ``.logits``; idx (batch, time) token ids, logits (batch, time, vocab). A mixture of
@@ -205,15 +236,20 @@ class HFCausalLM(nn.Module):
         takes = "output_router_logits" in inspect.signature(hf.forward).parameters
         coef = getattr(c, "router_aux_loss_coef", None) if takes else None
         self.aux_loss_coef: float | None = float(coef) if coef else None
+        _skip_packing_detection_in_own_calls()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The logits; in training, a mixture of experts with a load-balancing loss returns
         ``(logits, aux_loss)``: the causal-LM task adds ``aux_loss_coef * aux_loss`` to its loss,
         as transformers' ``.loss`` does, and reports ``aux_loss`` on its own."""
-        if self.aux_loss_coef is not None and self.training:
-            out = self.hf(input_ids=idx, use_cache=False, output_router_logits=True)
-            return out.logits, out.aux_loss
-        return self.hf(input_ids=idx, use_cache=False).logits
+        _OwnPositions.depth += 1  # the model makes positions 0..T-1 itself: no packed rows
+        try:
+            if self.aux_loss_coef is not None and self.training:
+                out = self.hf(input_ids=idx, use_cache=False, output_router_logits=True)
+                return out.logits, out.aux_loss
+            return self.hf(input_ids=idx, use_cache=False).logits
+        finally:
+            _OwnPositions.depth -= 1
 
     @property
     def config(self) -> Any:
