@@ -57,6 +57,23 @@ def test_the_plan_of_a_hugging_face_llama_is_the_cpu_allocators_peak(shard):
     assert abs(planned / measured - 1) < 0.02, (planned, measured)
 
 
+def test_a_model_whose_layers_are_of_several_kinds_is_measured_whole():
+    """Gemma 3's layers: five with a sliding window (each keeps its mask for backward) to one global
+    (no mask). Its first layers are all sliding, so extrapolating from them planned every layer as
+    one (1.012 of the CPU allocator's peak for 6 layers); the plan measures the whole model instead."""
+    pytest.importorskip("transformers")
+    from bench import plan_accuracy
+
+    cfg = load_config("recipes/llama_demo.yaml", [
+        "model.args.config.model_type=gemma3_text", "model.args.config.head_dim=8",
+        "model.args.config.sliding_window=8", "model.args.config.num_hidden_layers=6", "train.batch_size=8",
+        "train.compile=false", "run.checkpoint_staging=host"])  # fmt: skip
+    assert step_spec(cfg).build_layers is None  # not extrapolated
+    planned = plan(cfg, 1, shards=("none",), checkpointing=("none",), batches=False, warm_up=False).peak()
+    measured = plan_accuracy.measure(cfg, 1, 8, torch.device("cpu"))["step"]
+    assert abs(planned / measured - 1) < 0.005, (planned, measured)
+
+
 def test_blocks_extrapolate_exactly_and_the_parts_follow_the_shard_mode():
     cfg = _tiny("model.args.n_layer=6")
     spec = step_spec(cfg)

@@ -257,6 +257,8 @@ def _layer_count(cfg: Config, provided: dict[str, Any]) -> tuple[int, Callable[[
         n = args["config"].get(key)
         if any(isinstance(v, list) for v in args["config"].values()):  # per-layer settings (layer_types)
             return 0, None
+        if len(_layer_kinds(args["config"])) > 1:  # e.g. Gemma 3's five sliding-window layers to one global
+            return 0, None
     else:
         return 0, None
     if not isinstance(n, int):
@@ -267,6 +269,16 @@ def _layer_count(cfg: Config, provided: dict[str, Any]) -> tuple[int, Callable[[
         return components.build("model", name, changed, provided=provided)
 
     return n, build
+
+
+def _layer_kinds(config: dict[str, Any]) -> set[str]:
+    """The kinds of layer a transformers config makes (its ``layer_types``, which the config class
+    derives from a pattern: sliding-window and global attention). Layers of several kinds do not each
+    add the same (a sliding-window layer keeps its mask, a global one has none), so a model of them is
+    measured whole, not extrapolated from its first few layers, which may all be of one kind."""
+    from distlib.runner.models.hf_causal_lm import build_config
+
+    return set(getattr(build_config(config).get_text_config(), "layer_types", None) or ())
 
 
 # ---- the stand-ins -------------------------------------------------------------------------------
