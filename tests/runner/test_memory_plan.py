@@ -155,6 +155,20 @@ def test_float8_is_planned_on_the_layers_the_run_converts():
     assert every.parts["activations"] < 0.9 * auto.parts["activations"]
 
 
+def test_a_step_that_does_not_run_on_fake_tensors_is_one_line_naming_the_error(monkeypatch, capsys):
+    """A model whose step has no meta kernel (a mixture of experts with fp32 weights: transformers'
+    grouped_mm, whose meta kernel takes bf16 only) is the command's one-line error, exit 1, no traceback."""
+
+    def no_meta_kernel(*args, **kwargs):
+        raise RuntimeError("Expected mat_a to be BFloat16, got torch.float32.\nat grouped_mm")
+
+    monkeypatch.setattr(memory_plan, "measure_step", no_meta_kernel)
+    assert memory_plan.main(["recipes/gpt_demo.yaml", "--nproc", "2"]) == 1
+    out, err = capsys.readouterr()
+    want = "error: memory plan: the step did not run on fake tensors (RuntimeError: Expected mat_a to be BFloat16, "
+    assert out == "" and err.splitlines() == [want + "got torch.float32.)"]
+
+
 def test_the_command_prints_every_mode_the_fit_and_the_largest_batch(capsys):
     code = memory_plan.main(["recipes/gpt_demo.yaml", "--nproc", "2", "--gpu-gib", "0.01"])
     out = capsys.readouterr().out

@@ -650,6 +650,22 @@ def step_memory(spec: StepSpec, **kwargs: Any) -> StepMemory:
     return measure_step(spec, **kwargs)
 
 
+@contextlib.contextmanager
+def _meta_failures_unlogged() -> Iterator[None]:
+    """FakeTensorMode logs the traceback of an operation whose meta kernel raises before it raises it
+    (torch._subclasses.fake_tensor, at ERROR): the error reaches the plan's caller, which says it in one
+    line (at launch and in the command), so the log's copy is held back while the plan runs."""
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def largest_batch(measure: Callable[[int], int], micro: int, peak: int, limit: int) -> int:
     """The largest micro-batch whose peak (``measure(batch)`` bytes; ``peak`` at ``micro``) is at most
     ``limit``. Past the point where the activations set the peak (a small batch may peak at the
@@ -701,7 +717,7 @@ def plan(
                         shard=cfg.dist.shard, checkpointing=own, staging=cfg.run.checkpoint_staging,
                         warm_up=warm_up and cfg.train.prewarm_steps > 0, gpu_bytes=gpu_bytes)  # fmt: skip
     # only FSDP2 needs a process group (a fake one; none and optimizer stand in for GradSync's)
-    with fake_world(world_size) if "full" in shards else contextlib.nullcontext():
+    with fake_world(world_size) if "full" in shards else contextlib.nullcontext(), _meta_failures_unlogged():
         for shard in shards:
             steps = {c: step_memory(spec, shard=shard, world_size=world_size, batch=batch, checkpointing=c,
                                      precision=precision) for c in dict.fromkeys((*checkpointing, own))}  # fmt: skip
@@ -756,6 +772,11 @@ def main(argv: list[str] | None = None) -> int:
         lines = e.problems
         print("error: " + (lines[0] if len(lines) == 1 else str(e)), file=sys.stderr)
         return 2
+    except Exception as e:  # the model's step does not run on fake tensors: one line, as at launch
+        text = str(e).strip()
+        print(f"error: memory plan: the step did not run on fake tensors ({type(e).__name__}: "
+              f"{text.splitlines()[0] if text else ''})", file=sys.stderr)  # fmt: skip
+        return 1
     print(result.table())
     print(result.verdict())
     if args.json:
