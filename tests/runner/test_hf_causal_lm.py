@@ -387,6 +387,25 @@ def test_its_forward_makes_no_attention_mask_where_transformers_cannot_read_the_
     assert plain.mask and plain.key_heads == [4, 4], "transformers' own detection no longer masks fake tensors"
 
 
+@pytest.mark.gpus(1)
+def test_its_forward_and_backward_on_a_gpu_read_nothing_back():
+    """On a GPU, after a first step (lazy set-up may read values), a forward and backward wait for
+    nothing on the host (``torch.cuda.set_sync_debug_mode("error")``): transformers' packed-sequence
+    check, skipped in the wrapper's forward, read a value back in every forward."""
+    from distlib.runner.models.hf_causal_lm import hf_causal_lm
+
+    torch.manual_seed(0)
+    model = hf_causal_lm(config=TINY).cuda()
+    x = torch.randint(0, 256, (3, 16), device="cuda")
+    model(x).float().sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(x).float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 # ---- checkpoints and resume --------------------------------------------------------------------
 def _two_epochs(ctx, root: str, out: str, shard: str) -> list[dict]:
     from pathlib import Path

@@ -304,3 +304,20 @@ def test_a_run_keeps_the_model_config_and_tokenizer_so_that_export_needs_nothing
     assert (tmp_path / "out" / "tokenizer_config.json").read_text() == '{"model_max_length": 64}'
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize("shard", ["none", "full"])
+def test_a_mixture_of_experts_trains_on_a_gpu_in_bf16(tmp_path, shard):
+    """On a GPU, bf16: the Llama demo as a Mixtral of 4 experts (transformers' grouped_mm experts, on
+    fp32 weights under autocast when replicated, on bf16 ones under FSDP2's mixed precision): the
+    loss falls and every row has the router's load-balancing loss."""
+    from tests.runner.test_e2e import launch
+
+    out = tmp_path / f"mixtral-{shard}"
+    launch([os.path.join(ROOT, "recipes", "llama_demo.yaml"), f"run.out_dir={out}", "run.progress=plain",
+            "train.precision=bf16", f"dist.shard={shard}", "model.args.config.model_type=mixtral",
+            "model.args.config.num_local_experts=4", "model.args.config.num_experts_per_tok=2"],
+           nproc=1, timeout=400)  # fmt: skip
+    rows = metrics(out)
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.3 and all("aux_loss" in r for r in rows), rows
