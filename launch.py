@@ -50,6 +50,7 @@ def main(argv: list[str], timeline: Timeline | None = None) -> int:
     cfg = trainer = failure = None
     try:
         cfg = load_config(args.recipe, args.overrides)
+        timeline.mark("config")
         check_before_launch(cfg)  # before anything is allocated: a step that cannot fit the GPU stops here
         timeline.mark("memory_plan")
         gpus = gpus_per_process(cfg.dist.mode)

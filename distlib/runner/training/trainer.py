@@ -115,7 +115,7 @@ class Trainer:
     def __init__(self, cfg: Config, ctx: Context, timeline: Timeline | None = None):
         self.cfg, self.ctx = cfg, ctx
         self.timeline = timeline or Timeline()
-        self.timeline.mark("init")  # config and process group (NCCL: CUDA context and communicator)
+        self.timeline.mark("init")  # the process group (NCCL: CUDA context and communicator)
         self.finished_rows: list[dict[str, Any]] | None = None  # metrics.jsonl once training completed
         self.log = distlib.get_logger()
         if ctx.is_main and (hint := bytecode_hint()):
