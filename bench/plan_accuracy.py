@@ -154,9 +154,13 @@ def measure(cfg, world: int, per_rank: int, device) -> dict:  # noqa: ANN001
             torch.cuda.synchronize()
             out["build"] = torch.cuda.max_memory_allocated() - base
             torch.cuda.reset_peak_memory_stats()
-        opt = OptimizerSpec(torch.optim.AdamW, param_groups(model, t.weight_decay),
-                            dict(lr=t.lr, betas=(t.beta1, t.beta2),
-                                 fused=True if cuda and not cfg.dist.offload else None))  # fmt: skip
+        groups = param_groups(model, t.weight_decay)
+        fused = True if cuda and not cfg.dist.offload else None
+        if t.optimizer == "adamw":  # as Trainer.build_optimizer
+            opt = OptimizerSpec(torch.optim.AdamW, groups, dict(lr=t.lr, betas=(t.beta1, t.beta2), fused=fused))
+        else:
+            opt = OptimizerSpec(torch.optim.SGD, groups, dict(lr=t.lr, momentum=t.momentum, nesterov=t.nesterov,
+                                                              fused=fused))  # fmt: skip
         step = build_step(cfg, ctx, model, opt, per_rank, loss_fn=spec.loss_fn)
         vocab = spec.vocab_size or 256
         x = torch.randint(0, vocab, (per_rank, spec.seq_len), device=device)

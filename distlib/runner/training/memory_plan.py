@@ -208,6 +208,9 @@ class StepSpec:
     build_layers: Callable[[int], nn.Module] | None = None  # the model with that many blocks
     fp8_recipe: str = "tensorwise"  # train.fp8_recipe (precision fp8)
     fp8_layers: str = "auto"  # train.fp8_layers (precision fp8): which Linears the run turns to float8
+    momentum: float = 0.9  # train.momentum (SGD): a momentum buffer per parameter unless 0
+    nesterov: bool = True  # train.nesterov (SGD)
+    cuda_graph: bool = False  # train.cuda_graph: the runner's SGD is fused in a graph, foreach otherwise
 
 
 def step_spec(cfg: Config) -> StepSpec:
@@ -241,7 +244,8 @@ def step_spec(cfg: Config) -> StepSpec:
         loss_fn=lambda out, y: loss(out, y, **kwargs), optimizer=t.optimizer, weight_decay=t.weight_decay,
         grad_accum=t.grad_accum, clip=t.clip_grad_norm > 0, compiled_loss=t.compile != "none",
         reshard_after_forward=cfg.dist.reshard_after_forward, accumulate=cfg.dist.accumulate,
-        offload=cfg.dist.offload, fp8_recipe=t.fp8_recipe, fp8_layers=t.fp8_layers,
+        offload=cfg.dist.offload, fp8_recipe=t.fp8_recipe, fp8_layers=t.fp8_layers, momentum=t.momentum,
+        nesterov=t.nesterov, cuda_graph=t.cuda_graph,
     )  # fmt: skip
 
 
@@ -548,7 +552,12 @@ def measure_step(
         if spec.optimizer == "adamw":
             opt: torch.optim.Optimizer = torch.optim.AdamW(stepped, lr=1e-3, fused=True)
         else:
-            opt = torch.optim.SGD(stepped, lr=1e-3, momentum=0.9, fused=True)
+            # as Trainer.build_optimizer on a GPU: fused only inside a CUDA graph (never under FSDP2, which
+            # has none, and whose DTensors have no fused SGD), else foreach, torch's default for CUDA tensors
+            fused = spec.cuda_graph and shard != "full"
+            nesterov = spec.nesterov and spec.momentum > 0
+            opt = torch.optim.SGD(stepped, lr=1e-3, momentum=spec.momentum, nesterov=nesterov, fused=fused or None,
+                                  foreach=None if fused else True)  # fmt: skip
 
         def step_optimizer() -> None:
             at = 0
