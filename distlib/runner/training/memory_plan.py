@@ -13,7 +13,8 @@ loss, backward, the global-norm clipping, the optimizer step. Three parts are st
 what allocates the same storages, because the real code cannot run on fake tensors:
 
 - GradSync's flat gradient buckets (at world size > 1 every gradient lives in one fp32 flat buffer,
-  kept between steps; its checks read values): a flat buffer the gradients are copied into;
+  kept between steps; its checks read values): a flat buffer the gradients are copied into, and
+  with ``dist.compress=bf16`` the bf16 copy of it that the all_reduce sends;
 - the sharded optimizer (``dist.shard=optimizer``): the optimizer state of this rank's slice of
   every parameter (1/N of its elements, ``docs/grad_sync.md``);
 - a compiled loss (``train.compile``; inductor does not run on fake tensors): it keeps its input and
@@ -211,6 +212,7 @@ class StepSpec:
     momentum: float = 0.9  # train.momentum (SGD): a momentum buffer per parameter unless 0
     nesterov: bool = True  # train.nesterov (SGD)
     cuda_graph: bool = False  # train.cuda_graph: the runner's SGD is fused in a graph, foreach otherwise
+    compress: str = "none"  # dist.compress: "bf16", GradSync keeps a bf16 copy of its buckets to send
 
 
 def step_spec(cfg: Config) -> StepSpec:
@@ -245,7 +247,7 @@ def step_spec(cfg: Config) -> StepSpec:
         grad_accum=t.grad_accum, clip=t.clip_grad_norm > 0, compiled_loss=t.compile != "none",
         reshard_after_forward=cfg.dist.reshard_after_forward, accumulate=cfg.dist.accumulate,
         offload=cfg.dist.offload, fp8_recipe=t.fp8_recipe, fp8_layers=t.fp8_layers, momentum=t.momentum,
-        nesterov=t.nesterov, cuda_graph=t.cuda_graph,
+        nesterov=t.nesterov, cuda_graph=t.cuda_graph, compress=cfg.dist.compress,
     )  # fmt: skip
 
 
@@ -543,6 +545,9 @@ def measure_step(
         if shard != "full" and world_size > 1:
             flat = _flat_buckets(params)
             ledger.hold(flat, "gradients")
+            if spec.compress == "bf16":  # the bf16 copy of every bucket that its all_reduce sends, kept
+                sent = torch.empty(flat.numel(), dtype=torch.bfloat16)
+                ledger.hold(sent, "gradients")
         stepped, slices = groups, []
         if shard == "optimizer" and flat is not None:
             # this rank's slice of every parameter (views of the parameters and of the flat gradient
