@@ -32,8 +32,11 @@ class EMA(nn.Module):
             raise ValueError("EMA: the model's parameters or buffers changed after the EMA was built")
         floats = [(e, m) for e, m in zip(ema_t, model_t) if e.is_floating_point()]
         self._ema = [e for e, _ in floats]
-        self._src = [m.detach() for _, m in floats]
-        self._copied = [(e, m.detach()) for e, m in zip(ema_t, model_t) if not e.is_floating_point()]
+        # the model's own tensors, not detached aliases: an alias keeps the storage it was made from, so
+        # the average would stay on the old weights once they move (``param.data = ...``: the sharded
+        # optimizer moves every parameter into its flat buffer); update() runs without grad anyway
+        self._src = [m for _, m in floats]
+        self._copied = [(e, m) for e, m in zip(ema_t, model_t) if not e.is_floating_point()]
         device = self._ema[0].device if self._ema else torch.device("cpu")
         self.decay = float(decay)
         self._weight = torch.tensor(1.0 - self.decay, dtype=torch.float32, device=device)

@@ -10,6 +10,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import distlib
+from tests.conftest import run_ranks
 
 
 def _net() -> nn.Module:
@@ -58,6 +59,39 @@ def test_matches_averaged_model_over_steps():
         fresh.load_state_dict(partial)  # strict, as nn.Module's: a checkpoint of another model is refused
     with pytest.raises(ValueError, match="decay must be in"):
         ema.set_decay(1.5)
+
+
+def _ema_before_the_sharded_optimizer(ctx, steps: int) -> tuple[float, float]:
+    """An EMA made before ``sync.sharded_optimizer`` (which moves every parameter into its flat
+    buffer), against the average computed by hand from the weights after each step: the largest
+    difference, and how far the weights moved."""
+    torch.manual_seed(0)
+    model = _net()
+    ema = distlib.EMA(model, decay=0.5)
+    ref = [t.detach().clone() for t in _float_state(model)]
+    start = [t.clone() for t in ref]
+    sync = distlib.GradSync(model, shard="optimizer")
+    opt = sync.sharded_optimizer(torch.optim.SGD, model.parameters(), lr=0.1, momentum=0.9)
+    for i in range(steps):
+        x, y = _batch(10 * i + ctx.rank, "cpu")
+        F.cross_entropy(model(x), y).backward()
+        sync.wait()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ema.update()
+        ref = [0.5 * r + 0.5 * t.detach() for r, t in zip(ref, _float_state(model))]
+    diff = max((a - r).abs().max().item() for a, r in zip(_float_state(ema.module), ref))
+    moved = max((t - s).abs().max().item() for t, s in zip(_float_state(model), start))
+    return diff, moved
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_average_made_before_the_sharded_optimizer_follows_the_weights_it_moves(world):
+    """The sharded optimizer moves every parameter into its flat buffer (``param.data = ...``); the
+    average, made before it, reads the weights where they are now (it read detached aliases of the
+    old storage and stayed on the first weights)."""
+    for diff, moved in run_ranks(_ema_before_the_sharded_optimizer, world, 4):
+        assert moved > 1e-2 and diff < 1e-6, (diff, moved)
 
 
 @pytest.mark.gpus(1)
