@@ -161,7 +161,11 @@ def measure(cfg, world: int, per_rank: int, device) -> dict:  # noqa: ANN001
         else:
             opt = OptimizerSpec(torch.optim.SGD, groups, dict(lr=t.lr, momentum=t.momentum, nesterov=t.nesterov,
                                                               fused=fused))  # fmt: skip
-        step = build_step(cfg, ctx, model, opt, per_rank, loss_fn=spec.loss_fn)
+        ema: list = []  # as Trainer.build: made once the step has put the weights where it keeps them
+        step = build_step(cfg, ctx, model, opt, per_rank, loss_fn=spec.loss_fn,
+                          post_step=(lambda: ema[0].update()) if t.ema > 0 else None)  # fmt: skip
+        if t.ema > 0:
+            ema.append(distlib.EMA(model, 0.99))
         vocab = spec.vocab_size or 256
         x = torch.randint(0, vocab, (per_rank, spec.seq_len), device=device)
         y = torch.randint(0, vocab, (per_rank, spec.seq_len), device=device)

@@ -213,6 +213,7 @@ class StepSpec:
     nesterov: bool = True  # train.nesterov (SGD)
     cuda_graph: bool = False  # train.cuda_graph: the runner's SGD is fused in a graph, foreach otherwise
     compress: str = "none"  # dist.compress: "bf16", GradSync keeps a bf16 copy of its buckets to send
+    ema: bool = False  # train.ema > 0: an average of the weights (distlib.EMA), updated after each step
 
 
 def step_spec(cfg: Config) -> StepSpec:
@@ -247,7 +248,7 @@ def step_spec(cfg: Config) -> StepSpec:
         grad_accum=t.grad_accum, clip=t.clip_grad_norm > 0, compiled_loss=t.compile != "none",
         reshard_after_forward=cfg.dist.reshard_after_forward, accumulate=cfg.dist.accumulate,
         offload=cfg.dist.offload, fp8_recipe=t.fp8_recipe, fp8_layers=t.fp8_layers, momentum=t.momentum,
-        nesterov=t.nesterov, cuda_graph=t.cuda_graph, compress=cfg.dist.compress,
+        nesterov=t.nesterov, cuda_graph=t.cuda_graph, compress=cfg.dist.compress, ema=t.ema > 0,
     )  # fmt: skip
 
 
@@ -564,6 +565,12 @@ def measure_step(
             opt = torch.optim.SGD(stepped, lr=1e-3, momentum=spec.momentum, nesterov=nesterov, fused=fused or None,
                                   foreach=None if fused else True)  # fmt: skip
 
+        # train.ema: distlib.EMA's average, a copy of every floating parameter and buffer (with the
+        # parameters: the warm-up and the checkpoint copy it too), updated after each optimizer step
+        averaged = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()] if spec.ema else []
+        average = [torch.empty_like(t) for t in averaged]
+        ledger.hold(average, "parameters")
+
         def step_optimizer() -> None:
             at = 0
             for s in slices:  # the sharded optimizer's gradients: views of the flat buffer
@@ -573,6 +580,8 @@ def measure_step(
             opt.zero_grad(set_to_none=True)
             for p in params if flat is None else ():
                 p.grad = None
+            if average:  # EMA.update: a difference per tensor, added in place
+                torch._foreach_add_(average, torch._foreach_sub([t.detach() for t in averaged], average))
 
         # the optimizer's state as after a first step (one step without forward: the state, not the
         # gradients, is what it leaves), then one whole step measured
