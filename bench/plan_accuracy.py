@@ -129,9 +129,8 @@ def measure(cfg, world: int, per_rank: int, device) -> dict:  # noqa: ANN001
 
     import distlib
     from distlib.distributed.process_group import Context
-    from distlib.runner.models.parameters import param_groups
     from distlib.runner.training.memory_plan import step_spec
-    from distlib.runner.training.optimizer_step import OptimizerSpec, autocast_dtype
+    from distlib.runner.training.optimizer_step import autocast_dtype, optimizer_spec
     from distlib.runner.training.step import build_step
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
@@ -154,13 +153,7 @@ def measure(cfg, world: int, per_rank: int, device) -> dict:  # noqa: ANN001
             torch.cuda.synchronize()
             out["build"] = torch.cuda.max_memory_allocated() - base
             torch.cuda.reset_peak_memory_stats()
-        groups = param_groups(model, t.weight_decay)
-        fused = True if cuda and not cfg.dist.offload else None
-        if t.optimizer == "adamw":  # as Trainer.build_optimizer
-            opt = OptimizerSpec(torch.optim.AdamW, groups, dict(lr=t.lr, betas=(t.beta1, t.beta2), fused=fused))
-        else:
-            opt = OptimizerSpec(torch.optim.SGD, groups, dict(lr=t.lr, momentum=t.momentum, nesterov=t.nesterov,
-                                                              fused=fused))  # fmt: skip
+        opt = optimizer_spec(t, model, device, offload=cfg.dist.offload)  # as Trainer.build_optimizer
         ema: list = []  # as Trainer.build: made once the step has put the weights where it keeps them
         step = build_step(cfg, ctx, model, opt, per_rank, loss_fn=spec.loss_fn,
                           post_step=(lambda: ema[0].update()) if t.ema > 0 else None)  # fmt: skip

@@ -796,9 +796,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: " + (lines[0] if len(lines) == 1 else str(e)), file=sys.stderr)
         return 2
     except Exception as e:  # the model's step does not run on fake tensors: one line, as at launch
-        text = str(e).strip()
-        print(f"error: memory plan: the step did not run on fake tensors ({type(e).__name__}: "
-              f"{text.splitlines()[0] if text else ''})", file=sys.stderr)  # fmt: skip
+        print(f"error: memory plan: the step did not run on fake tensors ({_one_line(e)})", file=sys.stderr)
         return 1
     print(result.table())
     print(result.verdict())
@@ -868,8 +866,13 @@ def _plan_here(cfg: Config, world: int, gpu: int | None, on_gpu: bool, modes: di
     except PlanError as e:
         return "not planned", e.problems[0]
     except Exception as e:
-        text = str(e).strip()
-        return "failed", f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+        return "failed", _one_line(e)
+
+
+def _one_line(e: BaseException) -> str:
+    """An error as one line: its type and the first line of its message."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _plan_in_child(cfg: Config, world: int, gpu: int | None, on_gpu: bool, modes: dict[str, Any]) -> tuple[str, Any]:

@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
+
+from distlib.runner.config import TrainConfig
+from distlib.runner.models.parameters import param_groups
 
 # fp8: bf16 autocast around the float8 matrix products (train.precision=fp8, runner/training/float8.py)
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None, "fp8": torch.bfloat16}
@@ -45,6 +49,21 @@ class OptimizerSpec:
 
     def build(self) -> torch.optim.Optimizer:
         return self.cls(self.groups, **self.kwargs)
+
+
+def optimizer_spec(t: TrainConfig, model: nn.Module, device: torch.device, offload: bool = False) -> OptimizerSpec:
+    """``t.optimizer`` over the model's parameters, weight decay on the matrices only; the step builds
+    it (over this rank's slice with dist.shard=optimizer). ``offload``: dist.offload, the shards (and
+    so the optimizer's state) on the host."""
+    cuda = device.type == "cuda" and not offload
+    groups = param_groups(model, t.weight_decay)
+    if t.optimizer == "adamw":
+        # fused: one kernel for every parameter; capturable: its step counter stays on the GPU, which a
+        # captured CUDA graph needs
+        return OptimizerSpec(torch.optim.AdamW, groups, dict(lr=t.lr, betas=(t.beta1, t.beta2),
+                             fused=True if cuda else None, capturable=t.cuda_graph and cuda))  # fmt: skip
+    return OptimizerSpec(torch.optim.SGD, groups, dict(lr=t.lr, momentum=t.momentum, nesterov=t.nesterov,
+                         fused=True if t.cuda_graph and cuda else None))  # graphs need fused  # fmt: skip
 
 
 class OptimizerStep:

@@ -37,7 +37,7 @@ from distlib.reliability.stop import StopSignal
 from distlib.reliability.watchdog import Watchdog
 from distlib.runner import components
 from distlib.runner.config import Config, ConfigError, dump_yaml
-from distlib.runner.models.parameters import count_params, param_groups
+from distlib.runner.models.parameters import count_params
 from distlib.runner.observability.environment import bytecode_hint, environment_json
 from distlib.runner.observability.metrics import Metrics, build_metrics
 from distlib.runner.observability.profiling import StepProfiler
@@ -50,7 +50,7 @@ from distlib.runner.training.budget import Budget
 from distlib.runner.training.checkpoints import build_checkpoints
 from distlib.runner.training.compilation import load_compiler
 from distlib.runner.training.float8 import convert_model
-from distlib.runner.training.optimizer_step import OptimizerSpec, autocast_dtype
+from distlib.runner.training.optimizer_step import OptimizerSpec, autocast_dtype, optimizer_spec
 from distlib.runner.training.schedule import WarmupLinear, ema_decay, retarget, warmup_linear
 from distlib.runner.training.step import TrainStep, build_step
 
@@ -231,19 +231,8 @@ class Trainer:
         return model
 
     def build_optimizer(self, model: torch.nn.Module) -> OptimizerSpec:
-        """train.optimizer over the model's parameters, weight decay on the matrices only; the
-        step builds it (over this rank's slice with dist.shard=optimizer)."""
-        t = self.cfg.train
-        # with dist.offload the shards (and so the optimizer's state) are on the host
-        cuda = self.ctx.device.type == "cuda" and not self.cfg.dist.offload
-        groups = param_groups(model, t.weight_decay)
-        if t.optimizer == "adamw":
-            # fused: one kernel for every parameter; capturable: its step counter stays on the
-            # GPU, which a captured CUDA graph needs
-            return OptimizerSpec(torch.optim.AdamW, groups, dict(lr=t.lr, betas=(t.beta1, t.beta2),
-                                 fused=True if cuda else None, capturable=t.cuda_graph and cuda))  # fmt: skip
-        return OptimizerSpec(torch.optim.SGD, groups, dict(lr=t.lr, momentum=t.momentum, nesterov=t.nesterov,
-                             fused=True if t.cuda_graph and cuda else None))  # graphs need fused  # fmt: skip
+        """train.optimizer over the model's parameters (``optimizer_spec``)."""
+        return optimizer_spec(self.cfg.train, model, self.ctx.device, offload=self.cfg.dist.offload)
 
     def warm_up(self) -> None:
         """cuDNN autotuning, lazy set-up and graph capture, outside the training clock; the
