@@ -4,6 +4,7 @@ on one GPU: tokens/s of each, their ratio, one table.
     python -m bench.hf_families                                   # every dense family, 8 x 2048 tokens
     python -m bench.hf_families --families llama,qwen2,gemma2     # some of them
     python -m bench.hf_families --tiny                            # tiny shapes on the CPU (the test)
+    python -m bench.hf_families --families gemma3_text --attn flex_attention   # another attention, both sides
 
 For each family, in a process of its own: the model of ``SHAPES[family]`` (the config of a released
 0.5-3B checkpoint of that family, or that family's layer at a 1-2B size where none is released:
@@ -134,6 +135,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the baseline's first compiles)")
     p.add_argument("--batch", type=int, default=8, help="sequences a step")
     p.add_argument("--seq", type=int, default=2048, help="tokens a sequence")
+    p.add_argument("--attn", default="auto",
+                   help="attn_implementation of both sides (auto: the runner's default for the family)")
     p.add_argument("--json", default=os.path.join(ROOT, ".bench", "out", "hf_families.jsonl"))
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU, 2 steps (the test)")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -180,7 +183,8 @@ def runner_row(args: argparse.Namespace, family: str, work: str) -> dict:
     recipe = {
         "data": {"name": "token_file", "root": data, "args": {"block_size": seq, "dtype": "uint32",
                                                                "val_frac": 0.01}},
-        "model": {"name": "hf_causal_lm", "args": {"config": config_of(args, family)}},
+        "model": {"name": "hf_causal_lm", "args": {"config": config_of(args, family),
+                                                   "attn_implementation": args.attn}},
         "train": {"epochs": 1, "batch_size": batch, "optimizer": "adamw", "lr": 3e-4, "weight_decay": 0.1,
                   "label_smoothing": 0.0, "warmup_frac": 0.0, "precision": "bf16", "clip_grad_norm": 1.0,
                   "compile": "blocks", "sample_tokens": 0, "prewarm_steps": args.warmup},
@@ -230,7 +234,7 @@ def baseline_row(args: argparse.Namespace, family: str, attn: str, work: str) ->
     if proc.returncode or not found:
         return {"baseline_error": (proc.stdout + proc.stderr)[-1500:]}
     fields = dict(kv.split("=", 1) for kv in found.group(0).split()[1:])
-    return {"baseline_tokens_per_s": float(fields["tokens_per_s"]),
+    return {"baseline_tokens_per_s": float(fields["tokens_per_s"]), "baseline_attn": fields["attn"],
             "baseline_first_step_s": float(fields["first_step_s"]),
             "baseline_peak_gib": float(fields["peak_mem_gib"])}  # fmt: skip
 
@@ -241,7 +245,7 @@ def child(args: argparse.Namespace) -> int:
         row = {"family": family, "shape": "tiny" if args.tiny else SHAPES[family][0]}
         # the baseline first, in its own process: this one holds nothing on the GPU meanwhile
         # (auto: the same attention as the runner's default, which the row's "attn" shows)
-        row.update(baseline_row(args, family, "auto", work))
+        row.update(baseline_row(args, family, args.attn, work))
         try:
             row.update(runner_row(args, family, work))
         except Exception as e:  # the row says so; the other families still run
@@ -274,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     for family in args.families:
         cmd = [sys.executable, "-m", "bench.hf_families", "--child", family, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
-               *(["--tiny"] if args.tiny else [])]  # fmt: skip
+               "--attn", args.attn, *(["--tiny"] if args.tiny else [])]  # fmt: skip
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         found = re.search(r"^ROW (.*)$", proc.stdout, re.M)
