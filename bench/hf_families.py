@@ -135,8 +135,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the baseline's first compiles)")
     p.add_argument("--batch", type=int, default=8, help="sequences a step")
     p.add_argument("--seq", type=int, default=2048, help="tokens a sequence")
-    p.add_argument("--attn", default="auto",
-                   help="attn_implementation of both sides (auto: the runner's default for the family)")
+    p.add_argument(
+        "--attn", default="auto", help="attn_implementation of both sides (auto: the runner's default for the family)"
+    )
     p.add_argument("--json", default=os.path.join(ROOT, ".bench", "out", "hf_families.jsonl"))
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU, 2 steps (the test)")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
