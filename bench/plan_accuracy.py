@@ -7,14 +7,14 @@
 For each case (model, world size, ``dist.shard`` mode, ``train.activation_checkpointing``) the plan
 (``distlib.runner.training.memory_plan``, fake tensors on the CPU) is made first, then the runner's own
 step is built and run on the device: the model as ``Trainer.build_model`` makes it (``shard_model``
-under ``dist.shard=full``), ``build_step`` with its optimizer, the warm-up (``train.prewarm_steps``,
-on a GPU) and three steps of random tokens, under torch's fake process group of the case's world
-size (``init_process_group("fake")``: shapes and memory of that many ranks, collectives do nothing).
-Measured: ``torch.cuda.max_memory_allocated`` above what the process held before the case, from the
-end of the build (the build's own peak is its column) to the end of the steps; on the CPU the
-allocator's bytes as torch's profiler records them (``profile_memory``), the build included. A case
-the plan says does not fit the GPU is not run.
-
+under ``dist.shard=full``; float8 Linears under ``train.precision=fp8``, the row counting them),
+``build_step`` with its optimizer, the warm-up (``train.prewarm_steps``, on a GPU) and three steps of
+random tokens, under torch's fake process group of the case's world size
+(``init_process_group("fake")``: shapes and memory of that many ranks, collectives do nothing).
+Measured: ``torch.cuda.max_memory_allocated`` above what the process held before the case, from the end
+of the build (the build's own peak is its column) to the end of the steps; on the CPU the allocator's
+bytes as torch's profiler records them (``profile_memory``), the build included. A case the plan says
+does not fit the GPU is not run.
 A simulated rank does not measure time in collectives, nor the buffers NCCL itself allocates
 outside torch's allocator. Rows are printed as JSON lines and appended to ``--json``; the table last.
 BENCHMARKS.md, "Memory plan".
@@ -129,6 +129,7 @@ def measure(cfg, world: int, per_rank: int, device) -> dict:  # noqa: ANN001
 
     import distlib
     from distlib.distributed.process_group import Context
+    from distlib.runner.training.float8 import convert_model
     from distlib.runner.training.memory_plan import step_spec
     from distlib.runner.training.optimizer_step import autocast_dtype, optimizer_spec
     from distlib.runner.training.step import build_step
@@ -138,6 +139,9 @@ def measure(cfg, world: int, per_rank: int, device) -> dict:  # noqa: ANN001
     spec, t, cuda = step_spec(cfg), cfg.train, device.type == "cuda"
     out: dict = {}
 
+    def convert(model: torch.nn.Module) -> None:  # train.precision=fp8: the blocks' Linears, as the runner
+        out["float8_layers"] = len(convert_model(cfg, model, device))
+
     def run() -> None:
         torch.manual_seed(0)
         if cfg.dist.shard == "full":  # as Trainer.build_model
@@ -145,10 +149,12 @@ def measure(cfg, world: int, per_rank: int, device) -> dict:  # noqa: ANN001
             blocks = [cfg.model.block_class] if cfg.model.block_class else None
             model = distlib.shard_model(spec.build, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
                                         device=device, block_types=blocks, offload=cfg.dist.offload,
-                                        reshard_after_forward=cfg.dist.reshard_after_forward)  # fmt: skip
+                                        reshard_after_forward=cfg.dist.reshard_after_forward,
+                                        convert=convert)  # fmt: skip
         else:
             with torch.device(device):
                 model = spec.build().to(device)
+            convert(model)
         if cuda:
             torch.cuda.synchronize()
             out["build"] = torch.cuda.max_memory_allocated() - base
@@ -229,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["plan_over_measured"] = round(result.peak() / got["step"], 3)
             if "build" in got:
                 row["build_bytes"] = got["build"]
+            if got.get("float8_layers"):
+                row["float8_layers"] = got["float8_layers"]
         rows_.emit("plan_accuracy", args.json, row, rows)
     print(table(rows))
     return 0

@@ -43,6 +43,21 @@ def test_the_plan_is_the_cpu_allocators_peak_of_the_runners_step_at_two_fake_ran
 
 
 @pytest.mark.parametrize("shard", ["none", "full"])
+def test_the_measurement_of_a_float8_recipe_steps_the_float8_model_the_runner_builds(shard):
+    """bench.plan_accuracy measures the runner's step: with train.precision=fp8 its model's blocks' Linears
+    are float8 ones (emulated on the CPU), converted as Trainer.build_model converts them, before the
+    sharding under dist.shard=full; 6 blocks of 4 Linears at train.fp8_layers=all."""
+    pytest.importorskip("torchao")
+    from bench import plan_accuracy
+
+    cfg, per_rank = plan_accuracy.config_of("gpt-tiny", 2, shard, "none", False,
+                                            ("train.precision=fp8", "train.fp8_layers=all"))  # fmt: skip
+    assert plan_accuracy.measure(cfg, 2, per_rank, torch.device("cpu"))["float8_layers"] == 24
+    cfg, per_rank = plan_accuracy.config_of("gpt-tiny", 2, shard, "none", False)
+    assert plan_accuracy.measure(cfg, 2, per_rank, torch.device("cpu"))["float8_layers"] == 0
+
+
+@pytest.mark.parametrize("shard", ["none", "full"])
 def test_the_plan_of_a_hugging_face_llama_is_the_cpu_allocators_peak(shard):
     """A 6-layer transformers Llama with grouped-query attention (``hf_causal_lm``) at 2 fake ranks:
     the plan on fake tensors against the runner's step on real ones. transformers cannot read fake
