@@ -15,6 +15,7 @@ Measured: ``torch.cuda.max_memory_allocated`` above what the process held before
 of the build (the build's own peak is its column) to the end of the steps; on the CPU the allocator's
 bytes as torch's profiler records them (``profile_memory``), the build included. A case the plan says
 does not fit the GPU is not run.
+
 A simulated rank does not measure time in collectives, nor the buffers NCCL itself allocates
 outside torch's allocator. Rows are printed as JSON lines and appended to ``--json``; the table last.
 BENCHMARKS.md, "Memory plan".
@@ -139,7 +140,7 @@ def measure(cfg, world: int, per_rank: int, device) -> dict:  # noqa: ANN001
     spec, t, cuda = step_spec(cfg), cfg.train, device.type == "cuda"
     out: dict = {}
 
-    def convert(model: torch.nn.Module) -> None:  # train.precision=fp8: the blocks' Linears, as the runner
+    def convert(model: torch.nn.Module) -> None:  # train.precision=fp8: as Trainer.build_model converts
         out["float8_layers"] = len(convert_model(cfg, model, device))
 
     def run() -> None:
