@@ -5,6 +5,7 @@ on one GPU: tokens/s of each, their ratio, one table.
     python -m bench.hf_families --families llama,qwen2,gemma2     # some of them
     python -m bench.hf_families --tiny                            # tiny shapes on the CPU (the test)
     python -m bench.hf_families --families gemma3_text --attn flex_attention   # another attention, both sides
+    python -m bench.hf_families --plan-only                       # each recipe's memory plan, any machine
 
 For each family, in a process of its own: the model of ``SHAPES[family]`` (the config of a released
 0.5-3B checkpoint of that family, or that family's layer at a 1-2B size where none is released:
@@ -21,9 +22,14 @@ the table says which) is trained
 
 Both print tokens/s from the median step; MFU counts the runner's FLOPs per token (6 per weight of
 the matrix products, attention's 6 * layers * heads * (qk + v head dims) * sequence). Every row is
-a JSON line in ``--json``; the table comes last. The run of every family takes about 1-1.5 minutes
-(the baseline's whole-model compile is most of it): ``--families`` splits the families over calls.
-BENCHMARKS.md, "Hugging Face families".
+a JSON line in ``--json``; the table comes last. The run of every family takes 1.5 to 4 minutes on
+an H200 (the baseline's whole-model compile is most of it): ``--families`` splits the families over
+calls.
+
+Before the runner's build, the family's process plans the recipe's memory (``distlib.runner.plan``, on
+fake tensors; the warm-up's copy of the weights included on a GPU): the row has it beside the peak the
+runner then takes (``torch.cuda.max_memory_allocated`` over the build, the warm-up and the steps).
+BENCHMARKS.md, "Hugging Face families" and "Memory plan".
 """
 
 from __future__ import annotations
@@ -140,6 +146,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--json", default=os.path.join(ROOT, ".bench", "out", "hf_families.jsonl"))
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU, 2 steps (the test)")
+    p.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="the memory plan of each family's recipe alone, on any machine (as for a GPU run)",
+    )
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--work", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -170,14 +181,11 @@ def token_file(directory: str, n: int) -> str:
     return path
 
 
-def runner_row(args: argparse.Namespace, family: str, work: str) -> dict:
-    """The runner's trainer on ``family``, in this process: its build (warm-up included) and timed steps."""
-    import torch
+def runner_config(args: argparse.Namespace, family: str, work: str):  # noqa: ANN201  (a runner Config)
+    """The recipe the runner trains ``family`` with: its token file and recipe written into ``work``."""
     import yaml
 
-    import distlib
     from distlib.runner.config import load_config
-    from distlib.runner.training.trainer import Trainer
 
     batch, seq = batch_of(args, family)
     data = token_file(work, max(200_000, 40 * batch * seq))  # its 1% for validation: a few windows
@@ -194,7 +202,32 @@ def runner_row(args: argparse.Namespace, family: str, work: str) -> dict:
     path = os.path.join(work, "recipe.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(recipe, f)
-    cfg = load_config(path, ["train.compile=none", "train.compile_backend=inductor"] if args.tiny else [])
+    return load_config(path, ["train.compile=none", "train.compile_backend=inductor"] if args.tiny else [])
+
+
+def plan_row(args: argparse.Namespace, family: str, work: str) -> dict:
+    """The memory plan of the runner's recipe (``distlib.runner.plan``, fake tensors on the CPU): one
+    rank's peak, the warm-up's copy of the weights included where the runner warms up (a GPU)."""
+    import torch
+
+    from distlib.runner.training.memory_plan import plan
+
+    t0 = time.perf_counter()
+    cfg = runner_config(args, family, work)
+    result = plan(cfg, 1, shards=(cfg.dist.shard,), checkpointing=(cfg.train.activation_checkpointing,),
+                  batches=False, warm_up=torch.cuda.is_available() or args.plan_only)  # fmt: skip
+    return {"plan_gib": round(result.peak() / 2**30, 2), "plan_s": round(time.perf_counter() - t0, 1)}
+
+
+def runner_row(args: argparse.Namespace, family: str, work: str) -> dict:
+    """The runner's trainer on ``family``, in this process: its build (warm-up included) and timed steps."""
+    import torch
+
+    import distlib
+    from distlib.runner.training.trainer import Trainer
+
+    batch, seq = batch_of(args, family)
+    cfg = runner_config(args, family, work)
     ctx = distlib.init()
     t0 = time.perf_counter()
     trainer = Trainer(cfg, ctx)
@@ -216,7 +249,7 @@ def runner_row(args: argparse.Namespace, family: str, work: str) -> dict:
         mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         return {"family": family, "params": model.num_params(), "attn": model.config._attn_implementation, "cuda": cuda,
                 "runner_tokens_per_s": round(batch * seq / step_s), "runner_build_s": round(build_s, 1),
-                "flops_per_token": flops, "runner_peak_gib": round(mem, 1)}  # fmt: skip
+                "flops_per_token": flops, "runner_peak_gib": round(mem, 2)}  # fmt: skip
     finally:
         trainer.close()
 
@@ -246,9 +279,12 @@ def child(args: argparse.Namespace) -> int:
         row = {"family": family, "shape": "tiny" if args.tiny else SHAPES[family][0]}
         # the baseline first, in its own process: this one holds nothing on the GPU meanwhile
         # (auto: the same attention as the runner's default, which the row's "attn" shows)
-        row.update(baseline_row(args, family, args.attn, work))
+        if not args.plan_only:
+            row.update(baseline_row(args, family, args.attn, work))
         try:
-            row.update(runner_row(args, family, work))
+            row.update(plan_row(args, family, work))  # before the process group: the plan starts a fake one
+            if not args.plan_only:
+                row.update(runner_row(args, family, work))
         except Exception as e:  # the row says so; the other families still run
             row["runner_error"] = f"{type(e).__name__}: {e}"[-1500:]
     if "runner_tokens_per_s" in row and "baseline_tokens_per_s" in row:
@@ -259,14 +295,19 @@ def child(args: argparse.Namespace) -> int:
 
 def table(rows: list[dict]) -> str:
     """The markdown table of ``rows``: a failed side says so."""
-    lines = ["| family | shape | attention | params | runner tok/s | hf_loop compiled tok/s | ratio | runner MFU |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| family | shape | attention | params | runner tok/s | hf_loop compiled tok/s | ratio | runner MFU "
+             "| runner peak GiB | planned GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         tps, base = r.get("runner_tokens_per_s"), r.get("baseline_tokens_per_s")
         mfu = f"{tps * r['flops_per_token'] / PEAK:.1%}" if tps and r.get("cuda") else "-"
         params = f"{r['params'] / 1e9:.2f}B" if "params" in r else "-"
-        lines.append(f"| {r['family']} | {r['shape']} | {r.get('attn', '-')} | {params} | {tps or 'failed'} | "
-                     f"{round(base) if base else 'failed'} | {r.get('ratio', '-')} | {mfu} |")  # fmt: skip
+        peak = r.get("runner_peak_gib") if r.get("cuda") else None
+        runner = tps or ("failed" if "runner_error" in r or "error" in r else "-")  # "-": not run (--plan-only)
+        baseline = round(base) if base else "failed" if "baseline_error" in r else "-"
+        lines.append(f"| {r['family']} | {r['shape']} | {r.get('attn', '-')} | {params} | {runner} | "
+                     f"{baseline} | {r.get('ratio', '-')} | {mfu} | {peak or '-'} | "
+                     f"{r.get('plan_gib', '-')} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -279,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     for family in args.families:
         cmd = [sys.executable, "-m", "bench.hf_families", "--child", family, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
-               "--attn", args.attn, *(["--tiny"] if args.tiny else [])]  # fmt: skip
+               "--attn", args.attn, *(["--tiny"] if args.tiny else []),
+               *(["--plan-only"] if args.plan_only else [])]  # fmt: skip
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         found = re.search(r"^ROW (.*)$", proc.stdout, re.M)
@@ -294,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     print()
     print(table(rows))
-    return 0 if all("ratio" in r for r in rows) else 1
+    return 0 if all(("plan_gib" if args.plan_only else "ratio") in r for r in rows) else 1
 
 
 if __name__ == "__main__":

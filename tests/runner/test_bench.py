@@ -549,11 +549,12 @@ def test_hf_families_shapes_build_and_the_table_shows_each_ratio():
             n = sum(p.numel() for p in model.parameters())
             assert tiny or 0.45e9 < n < 3e9, (family, n)
     rows = [{"family": "llama", "shape": "Llama-3.2-1B", "attn": "sdpa", "params": 1.24e9, "cuda": True,
-             "runner_tokens_per_s": 60000, "flops_per_token": 9e9, "baseline_tokens_per_s": 50000.0, "ratio": 1.2},
+             "runner_tokens_per_s": 60000, "flops_per_token": 9e9, "baseline_tokens_per_s": 50000.0, "ratio": 1.2,
+             "runner_peak_gib": 48.5, "plan_gib": 48.39},
             {"family": "gemma2", "shape": "Gemma-2-2B", "runner_error": "OOM", "baseline_tokens_per_s": 1}]  # fmt: skip
     table = hf_families.table(rows).splitlines()
-    assert table[2] == "| llama | Llama-3.2-1B | sdpa | 1.24B | 60000 | 50000 | 1.2 | 54.6% |"
-    assert table[3] == "| gemma2 | Gemma-2-2B | - | - | failed | 1 | - | - |"
+    assert table[2] == "| llama | Llama-3.2-1B | sdpa | 1.24B | 60000 | 50000 | 1.2 | 54.6% | 48.5 | 48.39 |"
+    assert table[3] == "| gemma2 | Gemma-2-2B | - | - | failed | 1 | - | - | - | - |"
 
 
 @pytest.mark.slow
@@ -568,7 +569,7 @@ def test_hf_families_runs_tiny_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = json.loads(out.read_text().splitlines()[-1])
     assert row["runner_tokens_per_s"] > 0 and row["baseline_tokens_per_s"] > 0, row
-    assert row["attn"] == row["baseline_attn"] == "eager", row
+    assert row["attn"] == row["baseline_attn"] == "eager" and row["plan_gib"] >= 0, row
     assert row["ratio"] == pytest.approx(row["runner_tokens_per_s"] / row["baseline_tokens_per_s"], rel=1e-2)
     assert proc.stdout.strip().splitlines()[-1].startswith("| qwen2 | tiny | eager |")
 
