@@ -522,7 +522,7 @@ def measure_step(
     many blocks (``spec.build_layers``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     dtype = _COMPUTE[precision]
     mesh = init_device_mesh("cpu", (world_size,)) if shard == "full" else None  # outside the fake mode
@@ -608,6 +608,9 @@ def measure_step(
         if spec.compiled_blocks and checkpointing == "none":
             with autocast:  # the blocks traced, as compiled at their first call, outside the ledger
                 model(x)
+            for m in model.modules() if shard == "full" else ():
+                if isinstance(m, FSDPModule):  # the last block stays gathered after forward: counted when
+                    m.reshard()  # the measured step gathers it
         with _fsdp_parts(ledger) if shard == "full" else contextlib.nullcontext(), ledger:
             for k in range(spec.grad_accum):
                 if shard == "full":  # FSDPSync: no reduce-scatter before the last micro-batch, unless sharded
@@ -662,6 +665,7 @@ def _partitioned_as_inductor(block: nn.Module, traced: dict[Any, Callable[..., A
         if key not in traced:
 
             def functional(tensors: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+                # torch.func.functional_call would call the module again: its hooks, then this forward
                 with _reparametrize_module(block, tensors):
                     return forward(*args, **kwargs)
 
