@@ -545,10 +545,10 @@ def measure_step(
                 raise PlanError([f"memory plan: train.activation_checkpointing={checkpointing}: the model has no "
                                  "blocks; name their class with model.block_class"])  # fmt: skip
             distlib.checkpoint_blocks(blocks, checkpointing)
-        if spec.compiled_blocks and checkpointing == "none":
-            traced: dict[Any, Callable[..., Any]] = {}
-            for block in blocks:
-                _partitioned_as_inductor(block, traced)
+        partitioned = spec.compiled_blocks and checkpointing == "none" and bool(blocks)
+        traced: dict[Any, Callable[..., Any]] = {}
+        for block in blocks if partitioned else ():
+            _partitioned_as_inductor(block, traced)
         groups = param_groups(model, spec.weight_decay)
         params = [p for g in groups for p in g["params"]]
         ledger.hold([*model.parameters(), *model.buffers()], "parameters")
@@ -605,7 +605,7 @@ def measure_step(
         for p in params if flat is None else ():
             p.register_post_accumulate_grad_hook(lambda p: ledger.hold(p.grad, "gradients"))
         autocast = _autocast(dtype) if shard != "full" else contextlib.nullcontext()
-        if spec.compiled_blocks and checkpointing == "none":
+        if partitioned:
             with autocast:  # the blocks traced, as compiled at their first call, outside the ledger
                 model(x)
             for m in model.modules() if shard == "full" else ():
