@@ -6,6 +6,7 @@ on one GPU: tokens/s of each, their ratio, one table.
     python -m bench.hf_families --tiny                            # tiny shapes on the CPU (the test)
     python -m bench.hf_families --families gemma3_text --attn flex_attention   # another attention, both sides
     python -m bench.hf_families --plan-only                       # each recipe's memory plan, any machine
+    python -m bench.hf_families --families llama --titan          # and torchtitan on the Llama shape
 
 For each family, in a process of its own: the model of ``SHAPES[family]`` (the config of a released
 0.5-3B checkpoint of that family, or that family's layer at a 1-2B size where none is released:
@@ -25,6 +26,10 @@ the matrix products, attention's 6 * layers * heads * (qk + v head dims) * seque
 a JSON line in ``--json``; the table comes last. The run of every family takes 1.5 to 4 minutes on
 an H200 (the baseline's whole-model compile is most of it): ``--families`` splits the families over
 calls.
+
+With ``--titan``, the llama family's process also runs ``bench/baselines/titan_llama.py`` (torchtitan's
+own trainer on its llama3 1B flavor, the same shape, batch and steps; its wheels installed) before the
+runner, and the row has its tokens/s and the runner's ratio to it.
 
 Before the runner's build, the family's process plans the recipe's memory (``distlib.runner.plan``, on
 fake tensors; the warm-up's copy of the weights included on a GPU): the row has it beside the peak the
@@ -151,6 +156,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="the memory plan of each family's recipe alone, on any machine (as for a GPU run)",
     )
+    p.add_argument("--titan", action="store_true", help="also torchtitan on the Llama shape (llama's row; a GPU)")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--work", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -160,6 +166,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--families: unknown {', '.join(unknown)} (known: {', '.join(SHAPES)})")
     if args.tiny:
         args.steps, args.warmup, args.batch, args.seq = 2, 1, 2, 32
+    if args.titan and "llama" not in args.families:
+        p.error("--titan runs on the llama family's row: add llama to --families")
+    if args.titan and (args.tiny or args.plan_only):
+        p.error("--titan: torchtitan trains on a GPU only (its flex attention has no backward on the CPU)")
     return args
 
 
@@ -273,6 +283,22 @@ def baseline_row(args: argparse.Namespace, family: str, attn: str, work: str) ->
             "baseline_peak_gib": float(fields["peak_mem_gib"])}  # fmt: skip
 
 
+def titan_row(args: argparse.Namespace) -> dict:
+    """bench/baselines/titan_llama.py (torchtitan, its llama3 1B flavor) at the same batch and steps,
+    in its own process."""
+    batch, seq = batch_of(args, "llama")
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "baselines", "titan_llama.py"), "--batch", str(batch),
+           "--seq", str(seq), "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = re.search(r"RESULT .*", proc.stdout)
+    if proc.returncode or not found:
+        return {"titan_error": (proc.stdout + proc.stderr)[-1500:]}
+    fields = dict(kv.split("=", 1) for kv in found.group(0).split()[1:])
+    return {"titan_tokens_per_s": float(fields["tokens_per_s"]), "titan_mode": fields["mode"],
+            "titan_params": int(fields["params"]), "titan_peak_gib": float(fields["peak_mem_gib"]),
+            "titan_first_step_s": float(fields["first_step_s"]), "titan_shimmed": fields["shimmed"]}  # fmt: skip
+
+
 def child(args: argparse.Namespace) -> int:
     family = args.child
     with tempfile.TemporaryDirectory(dir=args.work or None) as work:
@@ -281,6 +307,8 @@ def child(args: argparse.Namespace) -> int:
         # (auto: the same attention as the runner's default, which the row's "attn" shows)
         if not args.plan_only:
             row.update(baseline_row(args, family, args.attn, work))
+            if args.titan and family == "llama":
+                row.update(titan_row(args))
         try:
             row.update(plan_row(args, family, work))  # before the process group: the plan starts a fake one
             if not args.plan_only:
@@ -289,6 +317,8 @@ def child(args: argparse.Namespace) -> int:
             row["runner_error"] = f"{type(e).__name__}: {e}"[-1500:]
     if "runner_tokens_per_s" in row and "baseline_tokens_per_s" in row:
         row["ratio"] = round(row["runner_tokens_per_s"] / row["baseline_tokens_per_s"], 3)
+    if "runner_tokens_per_s" in row and "titan_tokens_per_s" in row:
+        row["titan_ratio"] = round(row["runner_tokens_per_s"] / row["titan_tokens_per_s"], 3)
     print("ROW " + json.dumps(row), flush=True)
     return 0
 
@@ -308,6 +338,13 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['family']} | {r['shape']} | {r.get('attn', '-')} | {params} | {runner} | "
                      f"{baseline} | {r.get('ratio', '-')} | {mfu} | {peak or '-'} | "
                      f"{r.get('plan_gib', '-')} |")  # fmt: skip
+    for r in rows:
+        if "titan_tokens_per_s" in r:
+            tps, ratio = round(r["titan_tokens_per_s"]), r.get("titan_ratio", "-")
+            lines.append(f"\n{r['titan_mode']} on the {r['family']} shape: {tps} tok/s, "
+                         f"peak {r['titan_peak_gib']} GiB; the runner / torchtitan: {ratio}")  # fmt: skip
+        elif "titan_error" in r:
+            lines.append(f"\ntorchtitan on the {r['family']} shape: failed (the row's titan_error)")
     return "\n".join(lines)
 
 
@@ -320,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     for family in args.families:
         cmd = [sys.executable, "-m", "bench.hf_families", "--child", family, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
-               "--attn", args.attn, *(["--tiny"] if args.tiny else []),
+               "--attn", args.attn, *(["--tiny"] if args.tiny else []), *(["--titan"] if args.titan else []),
                *(["--plan-only"] if args.plan_only else [])]  # fmt: skip
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -328,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         row = json.loads(found.group(1)) if found else {"family": family, "shape": "?", "error": proc.stderr[-1500:]}
         row["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(row), flush=True)
-        for key in ("runner_error", "baseline_error", "error"):
+        for key in ("runner_error", "baseline_error", "titan_error", "error"):
             if key in row:
                 print(f"{family} {key}:\n{row[key]}", file=sys.stderr, flush=True)
         with open(args.json, "a") as f:
@@ -336,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     print()
     print(table(rows))
-    return 0 if all(("plan_gib" if args.plan_only else "ratio") in r for r in rows) else 1
+    ok = all(("plan_gib" if args.plan_only else "ratio") in r for r in rows)
+    return 0 if ok and not any("titan_error" in r for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -555,6 +555,19 @@ def test_hf_families_shapes_build_and_the_table_shows_each_ratio():
     table = hf_families.table(rows).splitlines()
     assert table[2] == "| llama | Llama-3.2-1B | sdpa | 1.24B | 60000 | 50000 | 1.2 | 54.6% | 48.5 | 48.39 |"
     assert table[3] == "| gemma2 | Gemma-2-2B | - | - | failed | 1 | - | - | - | - |"
+    # torchtitan's anchor (--titan) rides on the llama row; a GPU only, so the CPU's modes refuse it
+    assert hf_families.parse_args(["--families", "llama", "--titan"]).titan
+    for argv in (["--families", "qwen2", "--titan"], ["--tiny", "--titan"], ["--plan-only", "--titan"]):
+        with pytest.raises(SystemExit):
+            hf_families.parse_args(argv)
+    rows[0].update(titan_tokens_per_s=50000.0, titan_mode="torchtitan-flex", titan_peak_gib=49.5, titan_ratio=1.2)
+    rows[1]["titan_error"] = "no torchtitan"
+    table = hf_families.table(rows).splitlines()
+    assert table[-3:] == [
+        "torchtitan-flex on the llama shape: 50000 tok/s, peak 49.5 GiB; the runner / torchtitan: 1.2",
+        "",
+        "torchtitan on the gemma2 shape: failed (the row's titan_error)",
+    ]
 
 
 @pytest.mark.slow
