@@ -4,14 +4,15 @@ torchtitan 0.3.0's own trainer, run as its ``torchtitan.train`` runs it (``--mod
 through its ConfigManager), on its llama3 ``1B`` flavor (= recipes/llama_1b.yaml's model: 16 x 2048,
 32 heads, 8 key/value heads, 8192 hidden, vocabulary 128256, tied): FSDP2 on the one rank (bf16
 parameters, fp32 reduction), each block compiled, its AdamW, gradient clipping at 1.0, no activation
-checkpointing, 8 x 2048 random tokens a step (one document a row). Three settings differ from the
-flavor's registry entry, because torchtitan 0.3.0 fails with them on torch 2.11: its chunked loss
-(a plain compiled cross-entropy instead), its CUDA-graph capture (off), and three APIs newer than
-torch 2.11 (shimmed below; with a torch that has them, nothing is shimmed).
+checkpointing, 8 x 2048 random tokens a step (one document a row). Two settings differ from
+torchtitan's own llama3 configs, because torchtitan 0.3.0 fails with them on torch 2.11: its chunked
+loss (a plain compiled cross-entropy instead) and its CUDA-graph capture (off). It calls three APIs
+newer than torch 2.11: shimmed below (with a torch that has them, nothing is shimmed). Its flex
+attention has no backward on the CPU: a GPU only.
 
     python3 bench/baselines/titan_llama.py                   # flex attention (the flavor's default)
     python3 bench/baselines/titan_llama.py --attn varlen     # torch's varlen_attn (flash)
-    python3 bench/baselines/titan_llama.py --flavor debugmodel --batch 2 --seq 256 --steps 2 --warmup 1
+    python3 bench/baselines/titan_llama.py --flavor debugmodel --batch 2 --seq 256 --steps 2 --warmup 1   # quick
 
 Needs torchtitan 0.3.0 and what it imports (bench/baselines/README.md says which wheels). Prints
 one line starting with RESULT: tokens/s from the median step, peak memory
