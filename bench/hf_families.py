@@ -7,6 +7,7 @@ on one GPU: tokens/s of each, their ratio, one table.
     python -m bench.hf_families --families gemma3_text --attn flex_attention   # another attention, both sides
     python -m bench.hf_families --plan-only                       # each recipe's memory plan, any machine
     python -m bench.hf_families --families llama --titan          # and torchtitan on the Llama shape
+    python -m bench.hf_families --families gemma --profile 3      # and where each side's step goes
 
 For each family, in a process of its own: the model of ``SHAPES[family]`` (the config of a released
 0.5-3B checkpoint of that family, or that family's layer at a 1-2B size where none is released:
@@ -30,6 +31,11 @@ calls.
 With ``--titan``, the llama family's process also runs ``bench/baselines/titan_llama.py`` (torchtitan's
 own trainer on its llama3 1B flavor, the same shape, batch and steps; its wheels installed) before the
 runner, and the row has its tokens/s and the runner's ratio to it.
+
+With ``--profile N``, each side then runs N more steps under torch.profiler, and the row has each
+side's kernel time a step by kind of work (``bench.kernel_split``: attention, matmul, norm, loss,
+optimizer, copy, other) and its costliest kernels; a table a family, after the main one, sets the
+two sides' kinds side by side.
 
 Before the runner's build, the family's process plans the recipe's memory (``distlib.runner.plan``, on
 fake tensors; the warm-up's copy of the weights included on a GPU): the row has it beside the peak the
@@ -156,6 +162,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="the memory plan of each family's recipe alone, on any machine (as for a GPU run)",
     )
+    p.add_argument("--profile", type=int, default=0, help="then N steps of each side under torch.profiler")
     p.add_argument("--titan", action="store_true", help="also torchtitan on the Llama shape (llama's row; a GPU)")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--work", default="", help=argparse.SUPPRESS)
@@ -254,12 +261,24 @@ def runner_row(args: argparse.Namespace, family: str, work: str) -> dict:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
         step_s = statistics.median(times[-args.steps :])
+        profiled = {}
+        if args.profile:  # after the timed steps: the profiler's own cost stays out of them
+            from torch.profiler import ProfilerActivity, profile
+
+            from bench import kernel_split
+
+            with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+                for _ in range(args.profile):
+                    trainer.train_step(x, y)
+                if cuda:
+                    torch.cuda.synchronize()
+            profiled["runner_profile"] = kernel_split.split(kernel_split.entries(prof), args.profile)
         model = trainer.model
         flops = model.flops_per_token(seq)
         mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         return {"family": family, "params": model.num_params(), "attn": model.config._attn_implementation, "cuda": cuda,
                 "runner_tokens_per_s": round(batch * seq / step_s), "runner_build_s": round(build_s, 1),
-                "flops_per_token": flops, "runner_peak_gib": round(mem, 2)}  # fmt: skip
+                "flops_per_token": flops, "runner_peak_gib": round(mem, 2), **profiled}  # fmt: skip
     finally:
         trainer.close()
 
@@ -273,14 +292,24 @@ def baseline_row(args: argparse.Namespace, family: str, attn: str, work: str) ->
     cmd = [sys.executable, os.path.join(ROOT, "bench", "baselines", "hf_loop.py"), "--config-json", path,
            "--batch", str(batch), "--seq", str(seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--attn", attn, *(["--no-compile"] if args.tiny else [])]  # fmt: skip
+    profile = os.path.join(work, "baseline_profile.json")
+    if args.profile:
+        cmd += ["--profile-json", profile, "--profile-steps", str(args.profile)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     found = re.search(r"RESULT .*", proc.stdout)
     if proc.returncode or not found:
         return {"baseline_error": (proc.stdout + proc.stderr)[-1500:]}
     fields = dict(kv.split("=", 1) for kv in found.group(0).split()[1:])
-    return {"baseline_tokens_per_s": float(fields["tokens_per_s"]), "baseline_attn": fields["attn"],
-            "baseline_first_step_s": float(fields["first_step_s"]),
-            "baseline_peak_gib": float(fields["peak_mem_gib"])}  # fmt: skip
+    out = {"baseline_tokens_per_s": float(fields["tokens_per_s"]), "baseline_attn": fields["attn"],
+           "baseline_first_step_s": float(fields["first_step_s"]),
+           "baseline_peak_gib": float(fields["peak_mem_gib"])}  # fmt: skip
+    if args.profile:
+        from bench import kernel_split
+
+        with open(profile) as f:
+            written = json.load(f)
+        out["baseline_profile"] = kernel_split.split(written["rows"], written["steps"])
+    return out
 
 
 def titan_row(args: argparse.Namespace) -> dict:
@@ -357,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     for family in args.families:
         cmd = [sys.executable, "-m", "bench.hf_families", "--child", family, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
-               "--attn", args.attn, *(["--tiny"] if args.tiny else []), *(["--titan"] if args.titan else []),
+               "--attn", args.attn, "--profile", str(args.profile), *(["--tiny"] if args.tiny else []),
+               *(["--titan"] if args.titan else []),
                *(["--plan-only"] if args.plan_only else [])]  # fmt: skip
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -373,6 +403,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     print()
     print(table(rows))
+    for r in rows:
+        if "runner_profile" in r and "baseline_profile" in r:
+            from bench import kernel_split
+
+            on = r["runner_profile"]["on"]
+            print(f"\n{r['family']}: kernel time a step by kind ({on}, {args.profile} profiled steps a side)\n")
+            print(kernel_split.table(r["runner_profile"], r["baseline_profile"]))
     ok = all(("plan_gib" if args.plan_only else "ratio") in r for r in rows)
     return 0 if ok and not any("titan_error" in r for r in rows) else 1
 

@@ -39,6 +39,8 @@ p.add_argument("--warmup", type=int, default=5, help="untimed steps first, at le
 p.add_argument("--lr", type=float, default=3e-4)
 p.add_argument("--clip", type=float, default=1.0)
 p.add_argument("--no-compile", action="store_true")
+p.add_argument("--profile-json", default="", help="then profile --profile-steps more steps: key_averages() rows")
+p.add_argument("--profile-steps", type=int, default=3)
 p.add_argument("--peak-tflops", type=float, default=0.0, help="dense bf16 TFLOP/s of the GPU (default: H100/H200 989)")
 args = p.parse_args()
 args.warmup = max(1, args.warmup)
@@ -99,6 +101,18 @@ for _ in range(args.steps):
     sync()
     times.append(time.perf_counter() - t)
 step_s = statistics.median(times)
+if args.profile_json:  # after the timed steps: the profiler's own cost stays out of them
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(args.profile_steps):
+            train_step(x)
+        sync()
+    rows = [{"name": e.key, "device": str(e.device_type).rsplit(".", 1)[-1], "self_cpu_us": e.self_cpu_time_total,
+             "self_device_us": getattr(e, "self_device_time_total", 0.0) or 0.0, "count": e.count}
+            for e in prof.key_averages()]
+    with open(args.profile_json, "w") as f:
+        json.dump({"steps": args.profile_steps, "rows": rows}, f)
 tokens = args.batch * args.seq
 
 n = sum(p.numel() for p in model.parameters())  # a tied matrix once

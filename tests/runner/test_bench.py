@@ -577,14 +577,50 @@ def test_hf_families_runs_tiny_on_the_cpu(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "rows.jsonl"
     cmd = [sys.executable, "-m", "bench.hf_families", "--tiny", "--families", "qwen2", "--attn", "eager",
-           "--json", str(out)]  # fmt: skip
+           "--json", str(out), "--profile", "1"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = json.loads(out.read_text().splitlines()[-1])
     assert row["runner_tokens_per_s"] > 0 and row["baseline_tokens_per_s"] > 0, row
     assert row["attn"] == row["baseline_attn"] == "eager" and row["plan_gib"] >= 0, row
     assert row["ratio"] == pytest.approx(row["runner_tokens_per_s"] / row["baseline_tokens_per_s"], rel=1e-2)
-    assert proc.stdout.strip().splitlines()[-1].startswith("| qwen2 | tiny | eager |")
+    # --profile: each side's operators by kind of work, both tables' totals the sum of their kinds
+    for side in ("runner_profile", "baseline_profile"):
+        split = row[side]
+        assert split["on"] == "cpu" and split["ms_per_step"]["matmul"] > 0, split
+        assert split["total_ms"] == pytest.approx(sum(split["ms_per_step"].values()), abs=0.01)
+    assert "qwen2: kernel time a step by kind (cpu, 1 profiled steps a side)" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("| total |")
+    assert "| qwen2 | tiny | eager |" in proc.stdout
+
+
+def test_kernel_split_sorts_gpu_kernels_by_kind():
+    """bench.kernel_split: kernel names as a GPU profile of a compiled step has them, by kind; fused
+    inductor kernels with a cast in them are not copies; the split sums each side's device time."""
+    from bench import kernel_split
+
+    names = {
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN": "matmul",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
+        "triton_tem_fused_mm_3": "matmul",
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>": "attention",
+        "fmha_cutlassB_bf16_aligned_64x64_k64_sm80": "attention",
+        "triton_tem_fused_flex_attention_backward_0": "attention",
+        "triton_red_fused__log_softmax_nll_loss_forward_0": "loss",
+        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1": "norm",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "Memcpy DtoD (Device -> Device)": "copy",
+        "triton_poi_fused__to_copy_mul_silu_2": "other",
+    }
+    for name, expected in names.items():
+        assert kernel_split.kind(name) == expected, name
+    rows = [{"name": n, "device": "CUDA", "self_cpu_us": 0.0, "self_device_us": 1000.0, "count": 2} for n in names]
+    rows.append({"name": "aten::mm", "device": "CPU", "self_cpu_us": 5e6, "self_device_us": 0.0, "count": 2})
+    split = kernel_split.split(rows, steps=2, top=3)
+    assert split["on"] == "device" and split["total_ms"] == pytest.approx(len(names) * 0.5)  # the CPU's op left out
+    assert split["ms_per_step"]["matmul"] == pytest.approx(1.5) and len(split["top"]) == 3
+    table = kernel_split.table(split, {**split, "ms_per_step": {"matmul": 2.0}, "total_ms": 2.0}).splitlines()
+    assert table[2] == "| matmul | 1.50 | 2.00 | +0.50 |" and table[-1] == "| total | 5.50 | 2.00 | -3.50 |"
 
 
 # ---- bench.float8 --------------------------------------------------------------------------------
