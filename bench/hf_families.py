@@ -5,6 +5,7 @@ on one GPU: tokens/s of each, their ratio, one table.
     python -m bench.hf_families --families llama,qwen2,gemma2     # some of them
     python -m bench.hf_families --tiny                            # tiny shapes on the CPU (the test)
     python -m bench.hf_families --families gemma3_text --attn flex_attention   # another attention, both sides
+    python -m bench.hf_families --families gemma3_text --runner-attn flex_attention   # the runner's alone
     python -m bench.hf_families --plan-only                       # each recipe's memory plan, any machine
     python -m bench.hf_families --families llama --titan          # and torchtitan on the Llama shape
     python -m bench.hf_families --families gemma --profile 3      # and where each side's step goes
@@ -155,6 +156,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--attn", default="auto", help="attn_implementation of both sides (auto: the runner's default for the family)"
     )
+    p.add_argument(
+        "--runner-attn",
+        default="",
+        help="attn_implementation of the runner alone (default: --attn's); the loop keeps --attn",
+    )
     p.add_argument("--json", default=os.path.join(ROOT, ".bench", "out", "hf_families.jsonl"))
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU, 2 steps (the test)")
     p.add_argument(
@@ -210,7 +216,7 @@ def runner_config(args: argparse.Namespace, family: str, work: str):  # noqa: AN
         "data": {"name": "token_file", "root": data, "args": {"block_size": seq, "dtype": "uint32",
                                                                "val_frac": 0.01}},
         "model": {"name": "hf_causal_lm", "args": {"config": config_of(args, family),
-                                                   "attn_implementation": args.attn}},
+                                                   "attn_implementation": args.runner_attn or args.attn}},
         "train": {"epochs": 1, "batch_size": batch, "optimizer": "adamw", "lr": 3e-4, "weight_decay": 0.1,
                   "label_smoothing": 0.0, "warmup_frac": 0.0, "precision": "bf16", "clip_grad_norm": 1.0,
                   "compile": "blocks", "sample_tokens": 0, "prewarm_steps": args.warmup},
@@ -362,9 +368,12 @@ def table(rows: list[dict]) -> str:
         mfu = f"{tps * r['flops_per_token'] / PEAK:.1%}" if tps and r.get("cuda") else "-"
         params = f"{r['params'] / 1e9:.2f}B" if "params" in r else "-"
         peak = r.get("runner_peak_gib") if r.get("cuda") else None
+        attn = r.get("attn", "-")
+        if r.get("baseline_attn", attn) != attn:  # --runner-attn: the runner's / the loop's
+            attn = f"{attn} / {r['baseline_attn']}"
         runner = tps or ("failed" if "runner_error" in r or "error" in r else "-")  # "-": not run (--plan-only)
         baseline = round(base) if base else "failed" if "baseline_error" in r else "-"
-        lines.append(f"| {r['family']} | {r['shape']} | {r.get('attn', '-')} | {params} | {runner} | "
+        lines.append(f"| {r['family']} | {r['shape']} | {attn} | {params} | {runner} | "
                      f"{baseline} | {r.get('ratio', '-')} | {mfu} | {peak or '-'} | "
                      f"{r.get('plan_gib', '-')} |")  # fmt: skip
     for r in rows:
@@ -386,8 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     for family in args.families:
         cmd = [sys.executable, "-m", "bench.hf_families", "--child", family, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
-               "--attn", args.attn, "--profile", str(args.profile), *(["--tiny"] if args.tiny else []),
-               *(["--titan"] if args.titan else []),
+               "--attn", args.attn, "--runner-attn", args.runner_attn, "--profile", str(args.profile),
+               *(["--tiny"] if args.tiny else []), *(["--titan"] if args.titan else []),
                *(["--plan-only"] if args.plan_only else [])]  # fmt: skip
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
