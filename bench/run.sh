@@ -230,8 +230,14 @@ np.random.default_rng(0).integers(0, 128256, 4_000_000, dtype=np.uint32).tofile(
         ;;
     families)
         rm -f "$OUT/hf_families.jsonl"
+        # the torchtitan anchor in the llama row where torchtitan is installed (bench/baselines/README.md)
+        titan=""
+        if $PY -c "import torchtitan" 2>/dev/null; then titan="--titan"; fi
         for group in llama,mistral,qwen2,qwen3 gemma,gemma2,gemma3_text,phi3 olmo2,gpt2,gpt_neox,granite; do
-            run "families_${group%%,*}" $PY -m bench.hf_families --families "$group" --json "$OUT/hf_families.jsonl"
+            extra=""
+            if [ "${group%%,*}" = llama ]; then extra="$titan"; fi
+            # shellcheck disable=SC2086  # extra: no word or one
+            run "families_${group%%,*}" $PY -m bench.hf_families --families "$group" --json "$OUT/hf_families.jsonl" $extra
         done
         ;;
     *)
