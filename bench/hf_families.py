@@ -346,10 +346,13 @@ def child(args: argparse.Namespace) -> int:
                 row.update(titan_row(args))
         try:
             row.update(plan_row(args, family, work))  # before the process group: the plan starts a fake one
-            if not args.plan_only:
+        except Exception as e:  # as at launch, a plan not made leaves the run itself alone
+            row["plan_error"] = f"{type(e).__name__}: {e}"[-1500:]
+        if not args.plan_only:
+            try:
                 row.update(runner_row(args, family, work))
-        except Exception as e:  # the row says so; the other families still run
-            row["runner_error"] = f"{type(e).__name__}: {e}"[-1500:]
+            except Exception as e:  # the row says so; the other families still run
+                row["runner_error"] = f"{type(e).__name__}: {e}"[-1500:]
     if "runner_tokens_per_s" in row and "baseline_tokens_per_s" in row:
         row["ratio"] = round(row["runner_tokens_per_s"] / row["baseline_tokens_per_s"], 3)
     if "runner_tokens_per_s" in row and "titan_tokens_per_s" in row:
@@ -375,7 +378,7 @@ def table(rows: list[dict]) -> str:
         baseline = round(base) if base else "failed" if "baseline_error" in r else "-"
         lines.append(f"| {r['family']} | {r['shape']} | {attn} | {params} | {runner} | "
                      f"{baseline} | {r.get('ratio', '-')} | {mfu} | {peak or '-'} | "
-                     f"{r.get('plan_gib', '-')} |")  # fmt: skip
+                     f"{r.get('plan_gib', 'failed' if 'plan_error' in r else '-')} |")  # fmt: skip
     for r in rows:
         if "titan_tokens_per_s" in r:
             tps, ratio = round(r["titan_tokens_per_s"]), r.get("titan_ratio", "-")
@@ -404,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         row = json.loads(found.group(1)) if found else {"family": family, "shape": "?", "error": proc.stderr[-1500:]}
         row["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(row), flush=True)
-        for key in ("runner_error", "baseline_error", "titan_error", "error"):
+        for key in ("plan_error", "runner_error", "baseline_error", "titan_error", "error"):
             if key in row:
                 print(f"{family} {key}:\n{row[key]}", file=sys.stderr, flush=True)
         with open(args.json, "a") as f:

@@ -551,11 +551,12 @@ def test_hf_families_shapes_build_and_the_table_shows_each_ratio():
     rows = [{"family": "llama", "shape": "Llama-3.2-1B", "attn": "sdpa", "params": 1.24e9, "cuda": True,
              "runner_tokens_per_s": 60000, "flops_per_token": 9e9, "baseline_tokens_per_s": 50000.0, "ratio": 1.2,
              "runner_peak_gib": 48.5, "plan_gib": 48.39},
-            {"family": "gemma2", "shape": "Gemma-2-2B", "runner_error": "OOM", "baseline_tokens_per_s": 1},
+            {"family": "gemma2", "shape": "Gemma-2-2B", "runner_error": "OOM", "baseline_tokens_per_s": 1,
+             "plan_error": "no fake flex"},
             {"family": "qwen3", "shape": "Qwen3-0.6B", "attn": "flex_attention", "baseline_attn": "sdpa"}]  # fmt: skip
     table = hf_families.table(rows).splitlines()
     assert table[2] == "| llama | Llama-3.2-1B | sdpa | 1.24B | 60000 | 50000 | 1.2 | 54.6% | 48.5 | 48.39 |"
-    assert table[3] == "| gemma2 | Gemma-2-2B | - | - | failed | 1 | - | - | - | - |"
+    assert table[3] == "| gemma2 | Gemma-2-2B | - | - | failed | 1 | - | - | - | failed |"
     assert table[4].startswith("| qwen3 | Qwen3-0.6B | flex_attention / sdpa |")  # --runner-attn: both named
     # torchtitan's anchor (--titan) rides on the llama row; a GPU only, so the CPU's modes refuse it
     assert hf_families.parse_args(["--families", "llama", "--titan"]).titan
