@@ -106,6 +106,39 @@ def test_a_model_whose_layers_are_of_several_kinds_is_measured_whole():
     assert abs(planned / measured - 1) < 0.005, (planned, measured)
 
 
+def test_a_model_with_flex_attention_is_planned_with_the_storages_of_flash_attention():
+    """attn_implementation=flex_attention does not run on fake tensors (its block mask is made from real
+    index tensors; it has no backward on the CPU): the plan stands SDPA's flash kernel in for it, which
+    keeps what flex keeps (query, keys and values, output, log-sum-exp; no scores). A Llama plans the
+    same with either (neither has a mask); a Gemma 3 plans less with flex than with sdpa, whose
+    sliding-window layers keep a mask and the keys and values repeated for every head; transformers'
+    own flex functions are back afterwards."""
+    pytest.importorskip("transformers")
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    before = (
+        AttentionInterface._global_mapping["flex_attention"],
+        AttentionMaskInterface._global_mapping["flex_attention"],
+    )
+
+    def peak(recipe: str, *overrides: str) -> int:
+        cfg = load_config(recipe, ["train.batch_size=8", "train.compile=false", "run.checkpoint_staging=host",
+                                   *overrides])  # fmt: skip
+        return plan(cfg, 1, shards=("none",), checkpointing=("none",), batches=False, warm_up=False).peak()
+
+    flex = "model.args.attn_implementation=flex_attention"
+    assert peak("recipes/llama_demo.yaml", flex) == peak("recipes/llama_demo.yaml")
+    gemma3 = ["model.args.config.model_type=gemma3_text", "model.args.config.head_dim=8",
+              "model.args.config.sliding_window=8", "model.args.config.num_hidden_layers=6"]  # fmt: skip
+    assert peak("recipes/llama_demo.yaml", *gemma3, flex) < peak("recipes/llama_demo.yaml", *gemma3)
+    after = (
+        AttentionInterface._global_mapping["flex_attention"],
+        AttentionMaskInterface._global_mapping["flex_attention"],
+    )
+    assert after == before
+
+
 @pytest.mark.parametrize("shard", ["none", "full"])
 @pytest.mark.parametrize("momentum", ["0.9", "0"])
 def test_an_sgd_recipe_is_planned_as_the_runner_steps_it(shard, momentum):

@@ -9,7 +9,7 @@ estimator (``scripts/estimate``). What the runner's step does is mirrored with w
 tensors: the model built by its component, ``fully_shard`` per block then the root as
 ``shard_model`` applies it (FSDP2's mixed precision: bf16 weights in the layers), activation
 checkpointing per block (``distlib.checkpoint_blocks``), autocast to the GPU's dtype, the task's
-loss, backward, the global-norm clipping, the optimizer step. Three parts are stood in for, each by
+loss, backward, the global-norm clipping, the optimizer step. Four parts are stood in for, each by
 what allocates the same storages, because the real code cannot run on fake tensors:
 
 - GradSync's flat gradient buckets (at world size > 1 every gradient lives in one fp32 flat buffer,
@@ -20,6 +20,8 @@ what allocates the same storages, because the real code cannot run on fake tenso
 - a compiled loss (``train.compile``; inductor does not run on fake tensors): it keeps its input and
   one fp32 value per row for backward and writes one gradient of the input's dtype, where the eager
   loss keeps an fp32 copy of the logits and its log-softmax;
+- a transformers model's ``flex_attention``: SDPA's flash kernel without a mask, which keeps the same
+  storages for backward (``_sdpa_for_flex``);
 - float8 matrix products (``precision="fp8"``): each Linear the run turns to float8 (the same rule:
   ``distlib.float8_layers`` with train.fp8_recipe and train.fp8_layers) keeps float8 copies (one
   byte an element) of its input and weight for backward, its weight stays as it is.
@@ -344,6 +346,53 @@ def _float8_linears(model: nn.Module, spec: StepSpec, blocks: list[nn.Module]) -
     return len(names)
 
 
+def _sdpa_for_flex(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' ``flex_attention`` (query (batch, heads, T, head_dim), key and value with their own
+    heads) as SDPA's flash kernel without a mask: both keep the query, the keys and values (not repeated
+    for each head), the output and one fp32 log-sum-exp per row and head for backward, and neither
+    holds T x T scores (flex applies a window, a document mask or Gemma 2's soft-cap in its kernel)."""
+    causal = bool(getattr(module, "is_causal", True)) and query.shape[2] > 1
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _flex_attention_as_sdpa() -> Iterator[None]:
+    """A transformers model with ``attn_implementation="flex_attention"`` planned with ``_sdpa_for_flex``:
+    flex attention does not run on fake tensors (its block mask is made from real index tensors, and it
+    has no backward on the CPU). Its mask, a few int32 block indices, is left out (no mask). Nothing is
+    changed while transformers is not imported (no model of it was built)."""
+    import sys
+
+    if "transformers.modeling_utils" not in sys.modules or "transformers.masking_utils" not in sys.modules:
+        yield
+        return
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    saved = [(m, m.get("flex_attention")) for m in (AttentionInterface._global_mapping,
+                                                    AttentionMaskInterface._global_mapping)]  # fmt: skip
+    AttentionInterface._global_mapping["flex_attention"] = _sdpa_for_flex
+    AttentionMaskInterface._global_mapping["flex_attention"] = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        for mapping, fn in saved:
+            if fn is None:
+                mapping.pop("flex_attention", None)
+            else:
+                mapping["flex_attention"] = fn
+
+
 def _flat_buckets(params: list[nn.Parameter]) -> torch.Tensor:
     """GradSync's flat gradient buffer at world size > 1: every gradient copied into it once produced
     (then ``.grad`` is a view of it and autograd's tensor is freed), kept between steps. GradSync
@@ -527,10 +576,11 @@ def measure_step(
     dtype = _COMPUTE[precision]
     mesh = init_device_mesh("cpu", (world_size,)) if shard == "full" else None  # outside the fake mode
     ledger = Ledger()
-    with FakeTensorMode(), torch.device("cpu"):
+    with FakeTensorMode(), torch.device("cpu"), contextlib.ExitStack() as stack:
         model = spec.build() if layers is None or spec.build_layers is None else spec.build_layers(layers)
         if not isinstance(model, nn.Module):
             raise PlanError([f"memory plan: the model's builder returned {type(model).__name__}, not an nn.Module"])
+        stack.enter_context(_flex_attention_as_sdpa())  # after the build: it imports transformers, if anything
         blocks = distlib.find_blocks(model, spec.block_class or None)
         if precision == "fp8":
             _float8_linears(model, spec, blocks)
