@@ -307,6 +307,30 @@ def test_a_run_keeps_the_model_config_and_tokenizer_so_that_export_needs_nothing
 
 
 @pytest.mark.gpus(1)
+def test_flex_attention_trains_a_sliding_window_model_on_a_gpu_as_sdpa_does(tmp_path):
+    """On a GPU, bf16, each block compiled: the Llama demo as a Gemma 3 of 6 layers (five with a
+    16-token window, one global) with transformers' flex attention, which skips what the window masks
+    (sdpa computes every score and masks them): its first epoch's loss is sdpa's within bf16's noise,
+    and its loss falls; the launch planned its memory (flex's stand-in on fake tensors)."""
+    from tests.runner.test_e2e import launch
+
+    rows, logs = {}, {}
+    for attn in ("sdpa", "flex_attention"):
+        out = tmp_path / attn
+        logs[attn] = launch([os.path.join(ROOT, "recipes", "llama_demo.yaml"), f"run.out_dir={out}",
+                             "run.progress=plain", "train.precision=bf16", "train.compile=blocks",
+                             "model.args.config.model_type=gemma3_text", "model.args.config.head_dim=16",
+                             "model.args.config.num_hidden_layers=6", "model.args.config.sliding_window=16",
+                             f"model.args.attn_implementation={attn}"], nproc=1, timeout=400)  # fmt: skip
+        rows[attn] = metrics(out)
+    sdpa, flex = rows["sdpa"], rows["flex_attention"]
+    assert flex[0]["train_loss"] == pytest.approx(sdpa[0]["train_loss"], rel=0.03), (sdpa[0], flex[0])
+    assert flex[-1]["val_loss"] < flex[0]["val_loss"] - 0.3, flex
+    said = logs["flex_attention"].stdout + logs["flex_attention"].stderr
+    assert "memory plan:" in said and "memory plan: not made" not in said, said[-3000:]
+
+
+@pytest.mark.gpus(1)
 @pytest.mark.parametrize("shard", ["none", "full"])
 def test_a_mixture_of_experts_trains_on_a_gpu_in_bf16(tmp_path, shard):
     """On a GPU, bf16: the Llama demo as a Mixtral of 4 experts (transformers' grouped_mm experts, on
