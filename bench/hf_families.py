@@ -59,6 +59,8 @@ import time
 if __package__ in (None, ""):  # run as `python bench/hf_families.py`: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import kernel_split  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
@@ -271,8 +273,6 @@ def runner_row(args: argparse.Namespace, family: str, work: str) -> dict:
         if args.profile:  # after the timed steps: the profiler's own cost stays out of them
             from torch.profiler import ProfilerActivity, profile
 
-            from bench import kernel_split
-
             with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
                 for _ in range(args.profile):
                     trainer.train_step(x, y)
@@ -289,6 +289,16 @@ def runner_row(args: argparse.Namespace, family: str, work: str) -> dict:
         trainer.close()
 
 
+def result_fields(cmd: list[str]) -> dict[str, str] | str:
+    """Runs a baseline script: the ``key=value`` fields of the line it prints starting with RESULT, or
+    (it failed) the tail of its output."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = re.search(r"RESULT .*", proc.stdout)
+    if proc.returncode or not found:
+        return (proc.stdout + proc.stderr)[-1500:]
+    return dict(kv.split("=", 1) for kv in found.group(0).split()[1:])
+
+
 def baseline_row(args: argparse.Namespace, family: str, attn: str, work: str) -> dict:
     """bench/baselines/hf_loop.py on the same config, batch and attention, in its own process."""
     batch, seq = batch_of(args, family)
@@ -301,17 +311,13 @@ def baseline_row(args: argparse.Namespace, family: str, attn: str, work: str) ->
     profile = os.path.join(work, "baseline_profile.json")
     if args.profile:
         cmd += ["--profile-json", profile, "--profile-steps", str(args.profile)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = re.search(r"RESULT .*", proc.stdout)
-    if proc.returncode or not found:
-        return {"baseline_error": (proc.stdout + proc.stderr)[-1500:]}
-    fields = dict(kv.split("=", 1) for kv in found.group(0).split()[1:])
+    fields = result_fields(cmd)
+    if isinstance(fields, str):
+        return {"baseline_error": fields}
     out = {"baseline_tokens_per_s": float(fields["tokens_per_s"]), "baseline_attn": fields["attn"],
            "baseline_first_step_s": float(fields["first_step_s"]),
            "baseline_peak_gib": float(fields["peak_mem_gib"])}  # fmt: skip
     if args.profile:
-        from bench import kernel_split
-
         with open(profile) as f:
             written = json.load(f)
         out["baseline_profile"] = kernel_split.split(written["rows"], written["steps"])
@@ -324,11 +330,9 @@ def titan_row(args: argparse.Namespace) -> dict:
     batch, seq = batch_of(args, "llama")
     cmd = [sys.executable, os.path.join(ROOT, "bench", "baselines", "titan_llama.py"), "--batch", str(batch),
            "--seq", str(seq), "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = re.search(r"RESULT .*", proc.stdout)
-    if proc.returncode or not found:
-        return {"titan_error": (proc.stdout + proc.stderr)[-1500:]}
-    fields = dict(kv.split("=", 1) for kv in found.group(0).split()[1:])
+    fields = result_fields(cmd)
+    if isinstance(fields, str):
+        return {"titan_error": fields}
     return {"titan_tokens_per_s": float(fields["tokens_per_s"]), "titan_mode": fields["mode"],
             "titan_params": int(fields["params"]), "titan_peak_gib": float(fields["peak_mem_gib"]),
             "titan_first_step_s": float(fields["first_step_s"]), "titan_shimmed": fields["shimmed"]}  # fmt: skip
@@ -417,8 +421,6 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     for r in rows:
         if "runner_profile" in r and "baseline_profile" in r:
-            from bench import kernel_split
-
             on = r["runner_profile"]["on"]
             print(f"\n{r['family']}: kernel time a step by kind ({on}, {args.profile} profiled steps a side)\n")
             print(kernel_split.table(r["runner_profile"], r["baseline_profile"]))

@@ -43,6 +43,7 @@ import dataclasses
 import inspect
 import math
 import os
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -371,8 +372,6 @@ def _flex_attention_as_sdpa() -> Iterator[None]:
     flex attention does not run on fake tensors (its block mask is made from real index tensors, and it
     has no backward on the CPU). Its mask, a few int32 block indices, is left out (no mask). Nothing is
     changed while transformers is not imported (no model of it was built)."""
-    import sys
-
     if "transformers.modeling_utils" not in sys.modules or "transformers.masking_utils" not in sys.modules:
         yield
         return
