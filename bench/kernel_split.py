@@ -22,7 +22,7 @@ KINDS: list[tuple[str, re.Pattern[str]]] = [
         "matmul",
         re.compile(
             r"gemm|nvjet|cutlass|xmma|cublas|matmul|\bmm\b|aten::(?:mm|addmm|bmm|baddbmm)\b"
-            r"|_mm_|tem_fused_mm|bmm"
+            r"|_mm_|tem_fused_(?:add)?mm|addmm|bmm"
         ),
     ),  # fmt: skip
     ("norm", re.compile(r"rsqrt|norm")),

@@ -607,6 +607,7 @@ def test_kernel_split_sorts_gpu_kernels_by_kind():
         "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN": "matmul",
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
         "triton_tem_fused_mm_3": "matmul",
+        "triton_tem_fused_addmm_4": "matmul",
         "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>": "attention",
         "fmha_cutlassB_bf16_aligned_64x64_k64_sm80": "attention",
         "triton_tem_fused_flex_attention_backward_0": "attention",
@@ -622,9 +623,9 @@ def test_kernel_split_sorts_gpu_kernels_by_kind():
     rows.append({"name": "aten::mm", "device": "CPU", "self_cpu_us": 5e6, "self_device_us": 0.0, "count": 2})
     split = kernel_split.split(rows, steps=2, top=3)
     assert split["on"] == "device" and split["total_ms"] == pytest.approx(len(names) * 0.5)  # the CPU's op left out
-    assert split["ms_per_step"]["matmul"] == pytest.approx(1.5) and len(split["top"]) == 3
+    assert split["ms_per_step"]["matmul"] == pytest.approx(2.0) and len(split["top"]) == 3
     table = kernel_split.table(split, {**split, "ms_per_step": {"matmul": 2.0}, "total_ms": 2.0}).splitlines()
-    assert table[2] == "| matmul | 1.50 | 2.00 | +0.50 |" and table[-1] == "| total | 5.50 | 2.00 | -3.50 |"
+    assert table[2] == "| matmul | 2.00 | 2.00 | +0.00 |" and table[-1] == "| total | 6.00 | 2.00 | -4.00 |"
 
 
 # ---- bench.float8 --------------------------------------------------------------------------------
