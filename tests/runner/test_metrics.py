@@ -11,6 +11,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -81,34 +82,55 @@ def test_the_run_directory_and_the_progress_display_take_rows_as_sinks(tmp_path,
 # ---- Weights & Biases ------------------------------------------------------------------------
 
 
-def wandb_history(run_dir) -> tuple[list[str], list[dict]]:
-    """The run ids and logged rows (in step order) of every offline W&B run in ``run_dir``, read from
-    W&B's own transaction log (``run-<id>.wandb``: a LevelDB-style log of ``wandb_internal_pb2.Record``s).
-    Step order, not the files' order: W&B names a run's folder by the second it started, so a run and
-    its resume within one second sort either way."""
+def wandb_records(path: str) -> list:
+    """The records of one W&B transaction log (``run-<id>.wandb``: a LevelDB-style log of
+    ``wandb_internal_pb2.Record``s), up to the first one not yet written whole."""
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
-    ids, rows = [], []
-    for path in sorted(glob.glob(os.path.join(str(run_dir), "wandb", "offline-run-*", "run-*.wandb"))):
-        data, pos, block, buf = open(path, "rb").read(), 7, 32768, b""  # 7: ":W&B", magic, version
-        while pos + 7 <= len(data):
-            left = block - pos % block
-            if left < 7:  # a block's tail too short for a record header is padding
-                pos += left
-                continue
-            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-            pos += 7
-            buf += data[pos : pos + length]
-            pos += length
-            if kind in (1, 4):  # a full record, or the last piece of one
-                record = pb.Record()
+    out = []
+    data, pos, block, buf = open(path, "rb").read(), 7, 32768, b""  # 7: ":W&B", magic, version
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a record header is padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pos += 7
+        if pos + length > len(data):  # still being written
+            break
+        buf += data[pos : pos + length]
+        pos += length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = pb.Record()
+            try:
                 record.ParseFromString(buf)
-                buf = b""
-                if record.WhichOneof("record_type") == "run":
-                    ids.append(record.run.run_id)
-                elif record.WhichOneof("record_type") == "history":
-                    item = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
-                    rows.append({k: v for k, v in item.items() if not k.startswith("_")})
+            except DecodeError:
+                break
+            out.append(record)
+            buf = b""
+    return out
+
+
+def wandb_history(run_dir, runs: int) -> tuple[list[str], list[dict]]:
+    """The run ids and logged rows (in step order) of every offline W&B run in ``run_dir``. W&B's
+    writer (its wandb-core service) can finish a run's file after ``run.finish()`` has returned: this
+    waits, up to 60 s, until ``runs`` files each hold their run's exit record."""
+    deadline = time.monotonic() + 60
+    while True:
+        paths = sorted(glob.glob(os.path.join(str(run_dir), "wandb", "offline-run-*", "run-*.wandb")))
+        logs = [wandb_records(path) for path in paths]
+        finished = [any(r.WhichOneof("record_type") == "exit" for r in log) for log in logs]
+        if (len(logs) >= runs and all(finished)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    ids, rows = [], []
+    for record in (r for log in logs for r in log):
+        if record.WhichOneof("record_type") == "run":
+            ids.append(record.run.run_id)
+        elif record.WhichOneof("record_type") == "history":
+            item = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            rows.append({k: v for k, v in item.items() if not k.startswith("_")})
     return ids, sorted(rows, key=lambda row: row.get("step", -1))
 
 
@@ -122,7 +144,7 @@ def test_wandb_offline_logs_each_rows_numbers_at_its_step_and_a_resume_continues
     again.log(ROWS[1], 8)
     again.close()
     again.close()  # twice is fine
-    ids, rows = wandb_history(tmp_path)
+    ids, rows = wandb_history(tmp_path, runs=2)
     assert len(ids) == 2 and ids[0] == ids[1] == open(tmp_path / "wandb_run_id").read().strip()
     assert rows == [{"step": 4, **scalars(ROWS[0])}, {"step": 8, **scalars(ROWS[1])}]
 
@@ -181,7 +203,7 @@ def test_a_run_logs_its_rows_to_wandb_and_mlflow_from_rank_0(tmp_path, monkeypat
     out = tmp_path / "run"
     run_ranks(_train_with_trackers, 2, str(out), timeout=300)
     rows = metrics(out)
-    ids, logged = wandb_history(out)
+    ids, logged = wandb_history(out, runs=1)
     assert len(ids) == 1  # rank 0's run only
     assert logged == [{"step": r["step"], **scalars(r)} for r in rows]
     client = MlflowClient(f"sqlite:///{out}/mlflow.db")
