@@ -36,10 +36,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.utils._pytree import tree_map_only
 
-from distlib.checkpoint.checkpointer import CheckpointError, differences
 from distlib.checkpoint.integrity import crc32_on, file_crc32, file_sha256, records_intact, seal, unseal
 from distlib.checkpoint.layout import COMMITTED, PARTIAL, discard, fsync_dir, leftovers, step_name
 from distlib.checkpoint.staging import pin_in_place
+from distlib.checkpoint.state import CheckpointError, differences
 from distlib.distributed import collectives, process_group
 from distlib.log import get_logger
 

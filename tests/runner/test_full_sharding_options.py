@@ -78,7 +78,7 @@ def test_the_final_checkpoint_is_the_weights_alone_or_nothing(tmp_path):
     no checkpoint in <run>/checkpoints, and python -m distlib.runner.export writes the trained
     weights from it; =none: neither."""
     from distlib.runner.hf.dcp_tensors import CheckpointTensors
-    from distlib.runner.hf.export import export, load_gpt
+    from distlib.runner.models.export import export, load_gpt
 
     out = tmp_path / "weights"
     (r0, _) = run_ranks(_trained, 2, ["run.final_checkpoint=weights", f"run.out_dir={out}"], timeout=240)

@@ -572,9 +572,9 @@ def test_an_exported_run_loads_with_from_pretrained_and_gives_its_validation_los
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from distlib.runner.hf import export as export_module
     from distlib.runner.hf.dcp_tensors import CheckpointTensors
-    from distlib.runner.hf.export import export, model_state
+    from distlib.runner.models import export as export_module
+    from distlib.runner.models.export import export, model_state
 
     root, _ = folder
     out = str(tmp_path / "run")
@@ -609,7 +609,7 @@ def test_the_gpt_exports_as_safetensors_and_its_config_and_other_models_are_refu
     """The built-in GPT: model.safetensors (the tied output layer once) and config.json, which
     load_gpt builds back with the run's weights; a model by import path is an error naming what
     to use instead, and so is a folder that is no run (exit status 2 from the command line)."""
-    from distlib.runner.hf.export import ExportError, export, load_gpt, main, model_state
+    from distlib.runner.models.export import ExportError, export, load_gpt, main, model_state
 
     out = str(tmp_path / "gpt")
     cfg = load_config(os.path.join(ROOT, "recipes", "gpt_demo.yaml"),

@@ -136,7 +136,7 @@ def test_a_family_trains_from_either_save_format_as_transformers_in_every_mode(f
     fp32 loads with from_pretrained to the final weights, bit for bit."""
     from transformers import AutoModelForCausalLM
 
-    from distlib.runner.hf.export import export
+    from distlib.runner.models.export import export
 
     saved = save_family(tmp_path, family)
     if family == "gpt_neox":  # the original format is what real checkpoints carry: embed_out
@@ -289,7 +289,7 @@ def test_a_run_keeps_the_model_config_and_tokenizer_so_that_export_needs_nothing
     from transformers import AutoModelForCausalLM
 
     import distlib
-    from distlib.runner.hf.export import export
+    from distlib.runner.models.export import export
 
     folder = tmp_path / "folder"
     save_family(folder, "qwen3_moe")
