@@ -655,3 +655,18 @@ def test_float8_bench_runs_tiny_on_the_cpu(tmp_path):
     assert curve.returncode == 0, curve.stdout[-3000:] + curve.stderr[-3000:]
     assert (tmp_path / "float8_curve.png").stat().st_size > 0
     assert "bf16 seed 0 | bf16 seed 1 | fp8 tensorwise seed 0 |" in curve.stdout
+
+
+@pytest.mark.slow
+def test_hf_dcp_compares_ours_and_dcps_hugging_face_storage_tiny_on_the_cpu(tmp_path):
+    """bench/hf_dcp.py on a tiny Llama: both loads fill the model with the file's tensors, both exports write
+    the same tensors, and a row of each operation carries the ratio and both peaks."""
+    out = tmp_path / "rows.jsonl"
+    cmd = [sys.executable, "-m", "bench.hf_dcp", "--size", "tiny", "--models", "llama", "--repeats", "1",
+           "--dir", str(tmp_path / "work"), "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out)]
+    assert [r["op"] for r in rows] == ["load", "export"] and all(r["equal"] for r in rows), rows
+    assert all(r["ours_s"] > 0 and r["theirs_s"] > 0 and r["theirs_over_ours"] > 0 for r in rows), rows
+    assert "| llama" in proc.stdout and "theirs / ours" in proc.stdout
