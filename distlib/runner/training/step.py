@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -111,11 +112,11 @@ class GradSyncStep(TrainStep):
         if self.graph is not None:  # forward, backward, all_reduce and SGD: one graph replay
             return self.graph(x, y)
         n = self.grad_accum
-        micro = x.shape[0] // n
-        loss = torch.zeros((), device=x.device)
+        micro = y.shape[0] // n
+        loss = torch.zeros((), device=y.device)
         for k in range(n):
             with contextlib.nullcontext() if k == n - 1 else self.sync.no_sync():
-                micro_loss = self.loss_of(x[k * micro : (k + 1) * micro], y[k * micro : (k + 1) * micro])
+                micro_loss = self.loss_of(rows(x, k * micro, (k + 1) * micro), y[k * micro : (k + 1) * micro])
                 self.update.scale(micro_loss / n).backward()
                 self.sync.wait()
             loss += micro_loss.detach() / n
@@ -177,6 +178,25 @@ class ReplicasStep(TrainStep):
 
     def sync_buffers(self) -> None:
         self.replicas.sync_buffers()  # BatchNorm statistics averaged over every GPU into the root
+
+
+def rows(x: torch.Tensor | Mapping[str, torch.Tensor], start: int, stop: int) -> torch.Tensor | dict:
+    """Rows ``start:stop`` of a batch's inputs: a tensor, or every tensor of a dict (chat batches)."""
+    if isinstance(x, Mapping):
+        return {k: v[start:stop] for k, v in x.items()}
+    return x[start:stop]
+
+
+def to_device(x: torch.Tensor | Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor | dict:
+    """A batch's inputs on ``device`` (every tensor of a dict), copied asynchronously from pinned memory."""
+    if isinstance(x, Mapping):
+        return {k: v.to(device, non_blocking=True) for k, v in x.items()}
+    return x.to(device, non_blocking=True)
+
+
+def call_model(net: nn.Module, x: torch.Tensor | Mapping[str, torch.Tensor]) -> Any:
+    """``net(**x)`` for a dict of inputs (``input_ids``, ``position_ids``), ``net(x)`` for a tensor."""
+    return net(**x) if isinstance(x, Mapping) else net(x)
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -248,7 +268,7 @@ def build_step(
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast:
-            out = net(x)
+            out = call_model(net, x)
             if shard == "full":  # as autocast would: the loss's softmax and log in fp32
                 out = (_fp32(out[0]), *out[1:]) if isinstance(out, tuple) else _fp32(out)
             return loss_fn(out, y)

@@ -52,7 +52,7 @@ from distlib.runner.training.compilation import load_compiler
 from distlib.runner.training.float8 import convert_model
 from distlib.runner.training.optimizer_step import OptimizerSpec, autocast_dtype, optimizer_spec
 from distlib.runner.training.schedule import WarmupLinear, ema_decay, retarget, warmup_linear
-from distlib.runner.training.step import TrainStep, build_step
+from distlib.runner.training.step import TrainStep, build_step, to_device
 
 # may change on a resume: they do not change what the weights are, or (the budget: train.epochs,
 # train.max_steps) the resumed run recomputes its schedule over the new total and says so
@@ -327,7 +327,7 @@ class Trainer:
         device = self.ctx.device
         if self.ema is not None:
             self.ema.set_decay(ema_decay(self.cfg.train.ema, self.global_step))
-        loss = self.step_fn(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        loss = self.step_fn(to_device(x, device), y.to(device, non_blocking=True))
         self.state.loss_sum += loss
         self.state.step += 1
         self.scheduler.step()
