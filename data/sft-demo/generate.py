@@ -1,6 +1,6 @@
 """Writes the fine-tuning demo's files (recipes/sft_demo.yaml): a character-level tokenizer with a
 chat template (``tokenizer/``, built with the ``tokenizers`` library) and conversations whose
-answers can be checked (``train.jsonl``): "What is 23+41?" -> "64". Deterministic: running it again
+answers can be checked (``train.jsonl``): "What is 3+5?" -> "8". Deterministic: running it again
 writes the same files.
 
     python data/sft-demo/generate.py
@@ -19,7 +19,7 @@ TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-SYSTEMS = ["You add numbers.", "Answer with the sum only.", ""]
+SYSTEMS = ["You add numbers.", "", "", ""]
 
 
 def tokenizer(path: str) -> None:
@@ -41,12 +41,12 @@ def conversations(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        a, b = rng.randint(0, 49), rng.randint(0, 49)
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
         messages = []
         if system := rng.choice(SYSTEMS):
             messages.append({"role": "system", "content": system})
         if rng.random() < 0.3:  # an earlier turn: two turns trained in one conversation
-            c, d = rng.randint(0, 49), rng.randint(0, 49)
+            c, d = rng.randint(0, 9), rng.randint(0, 9)
             messages += [{"role": "user", "content": f"What is {c}+{d}?"},
                          {"role": "assistant", "content": str(c + d)}]  # fmt: skip
         messages += [{"role": "user", "content": f"What is {a}+{b}?"}, {"role": "assistant", "content": str(a + b)}]
@@ -57,7 +57,7 @@ def conversations(n: int, seed: int) -> list[dict]:
 def main() -> None:
     tokenizer(os.path.join(HERE, "tokenizer"))
     with open(os.path.join(HERE, "train.jsonl"), "w") as f:
-        for row in conversations(3000, seed=0):
+        for row in conversations(2000, seed=0):
             f.write(json.dumps(row) + "\n")
 
 

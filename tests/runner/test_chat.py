@@ -349,3 +349,31 @@ def test_recipe_checks_refuse_what_cannot_isolate_documents():
     assert any("data.name=chat with model.name=gpt" in p for p in gpt)
     assert any("data.args.train_on: expected one of" in p for p in _problems(demo, ["data.args.train_on=prompts"]))
     assert _problems(demo, []) == []
+
+
+@pytest.mark.slow
+def test_the_sft_demo_learns_to_answer(tmp_path):
+    """recipes/sft_demo.yaml at 2 torchrun ranks: the greedy answers to 100 held-out prompts are
+    mostly right after training, where the same model untrained gets none right."""
+    from types import SimpleNamespace
+
+    from distlib.runner.models.hf_causal_lm import hf_causal_lm
+    from distlib.runner.tasks.chat import answer_accuracy
+    from tests.runner.test_e2e import launch, read_run
+
+    out = tmp_path / "run"
+    launch([os.path.join(ROOT, "recipes", "sft_demo.yaml"), f"run.out_dir={out}", f"data.cache_dir={tmp_path}",
+            "run.progress=plain"], nproc=2, timeout=900)  # fmt: skip
+    config, rows = read_run(out)
+    trained = rows[-1]["answer_accuracy"]
+    with open(out / "summary.json") as f:
+        assert json.load(f)["final_answer_accuracy"] == trained
+    args = config["data"]["args"]
+    data = load_chat(os.path.join(ROOT, config["data"]["root"]), cache_dir=str(tmp_path), **args)
+    assert data.reused and len(data.answers) == args["eval_answers"]
+    torch.manual_seed(config["train"]["seed"])
+    untrained = hf_causal_lm(config={**config["model"]["args"]["config"], "vocab_size": data.vocab_size})
+    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    before = answer_accuracy(untrained, data, ctx, torch.autocast("cpu", enabled=False))
+    print(f"sft demo: answer_accuracy {before} untrained, {trained} trained, {rows[-1]['train_s']} s of training")
+    assert before <= 0.05 and trained >= 0.5, (before, trained)
