@@ -54,7 +54,9 @@ class ModelConfig:
 
 @dataclass
 class LossConfig:
-    name: str = "cross_entropy"  # cross_entropy, or package.module:callable (outputs, targets) -> mean loss
+    # cross_entropy, or package.module:callable (outputs, targets) -> mean loss (with a `reduction` keyword: summed
+    # with reduction="sum", and the step takes its mean over the trained targets: docs/loss.md)
+    name: str = "cross_entropy"
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments bound to the loss
 
 
