@@ -256,21 +256,37 @@ def test_attention_is_the_fastest_the_family_allows_and_what_transformers_refuse
 
 
 def test_a_command_line_override_changes_one_key_of_the_config_and_null_drops_it(text, tmp_path):
-    """model.args.config.x=... merges into the recipe's config (its other keys kept, at any depth);
-    config and pretrained together name the override that drops one; model.args.config=null does."""
-    config = {"model_type": "llama", **SMALL, "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}
+    """model.args.config.x=... merges into the recipe's config (its other keys kept, at any depth),
+    an inline mapping too, which reaches transformers as a mapping; a key the recipe sets that another
+    family refuses (Qwen2 has no head_dim) is removed by x=null; config and pretrained together name
+    the override that drops one; model.args.config=null does."""
+    from distlib.runner.models.hf_causal_lm import build_config
+
+    config = {"model_type": "llama", **SMALL, "head_dim": 8,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}  # fmt: skip
     path = recipe(text.parent, str(tmp_path / "r"), {"config": config})
     cfg = load_config(path, ["model.args.config.num_key_value_heads=1",
                              "model.args.config.rope_parameters.rope_theta=1000.0"])  # fmt: skip
     want = {**config, "num_key_value_heads": 1, "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}}
     assert cfg.model.args["config"] == want
+    llama3 = "{rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, " \
+             "original_max_position_embeddings: 32}"  # fmt: skip
+    cfg = load_config(path, [f"model.args.config.rope_parameters={llama3}"])
+    rope = build_config(cfg.model.args["config"]).rope_parameters
+    assert rope["rope_type"] == "llama3" and rope["factor"] == 8.0 and rope["rope_theta"] == 500.0, rope
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["model.args.config.model_type=qwen2"])
+    assert e.value.problems == ["model.args.config.head_dim: Qwen2Config has no key 'head_dim'"]
+    cfg = load_config(path, ["model.args.config.model_type=qwen2", "model.args.config.head_dim=null"])
+    assert "head_dim" not in cfg.model.args["config"]
+    assert type(build_config(cfg.model.args["config"])).__name__ == "Qwen2Config"
     folder = tmp_path / "folder"
     save_family(folder, "llama")
     with pytest.raises(ConfigError) as e:
         load_config(path, [f"model.args.pretrained={folder / 'original'}"])
     assert "model.args.config=null" in e.value.problems[0], e.value.problems
     cfg = load_config(path, [f"model.args.pretrained={folder / 'original'}", "model.args.config=null"])
-    assert cfg.model.args["config"] is None and cfg.model.args["pretrained"] == str(folder / "original")
+    assert "config" not in cfg.model.args and cfg.model.args["pretrained"] == str(folder / "original")
 
 
 def _trained(ctx, text: str, out: str, pretrained: str) -> None:
