@@ -30,6 +30,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -247,14 +248,20 @@ def _owner(opt: Any, objects: Mapping[str, Any]) -> nn.Module | None:
     return None
 
 
-def _state_dicts(objects: Mapping[str, Any]) -> dict[str, Any]:
+def _model_options(frozen: bool) -> StateDictOptions:
+    """DCP's options for a module's state: without ``frozen``, the parameters that do not require grad
+    left out (and not required back on load)."""
+    return StateDictOptions() if frozen else StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def _state_dicts(objects: Mapping[str, Any], frozen: bool = True) -> dict[str, Any]:
     """What DCP saves or loads into, per object: modules and optimizers through DCP's state_dict helpers
-    (FSDP2 DTensors stay sharded, optimizer state is keyed by parameter name), plain dicts as they are,
-    anything else its ``state_dict()``."""
+    (FSDP2 DTensors stay sharded, optimizer state is keyed by parameter name; ``frozen=False``: a module's
+    parameters that do not require grad left out), plain dicts as they are, anything else its ``state_dict()``."""
     out: dict[str, Any] = {}
     for name, obj in objects.items():
         if isinstance(obj, nn.Module):
-            out[name] = get_model_state_dict(obj)
+            out[name] = get_model_state_dict(obj, options=_model_options(frozen))
         elif (model := _owner(obj, objects)) is not None:
             out[name] = get_optimizer_state_dict(model, obj)
         elif isinstance(obj, dict):
@@ -269,13 +276,13 @@ def _state_dicts(objects: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _load_into(objects: Mapping[str, Any], states: Mapping[str, Any]) -> None:
+def _load_into(objects: Mapping[str, Any], states: Mapping[str, Any], frozen: bool = True) -> None:
     # the modules first: a ShardedOptimizer whose checkpoint has no fp32 masters (a plain optimizer's)
     # takes them from its parameters
     for name, obj in sorted(objects.items(), key=lambda item: not isinstance(item[1], nn.Module)):
         state = states[name]
         if isinstance(obj, nn.Module):
-            set_model_state_dict(obj, state)
+            set_model_state_dict(obj, state, options=_model_options(frozen))
         elif (model := _owner(obj, objects)) is not None:
             set_optimizer_state_dict(model, obj, state)
         elif isinstance(obj, dict):
@@ -377,7 +384,9 @@ class ShardedCheckpointer:
     thread then copies it to host memory and frees it); ``"host"``, into page-locked host memory kept
     between saves (the first save page-locks it, about 2.3 GB/s, once per process); ``"auto"``, the
     device when its memory outside torch's cache holds the copy with 10% and 1 GiB to spare at the
-    first save of a layout, else the host.
+    first save of a layout, else the host. ``frozen=False``: the modules' parameters that do not
+    require grad (a frozen base under adapters) are neither saved nor loaded: whoever resumes
+    rebuilds them as they were (from the same files or seed) before ``resume``.
 
     ``save``, ``wait``, ``resume`` and ``close`` are collectives: every rank must call them, in the
     same order.
@@ -392,6 +401,7 @@ class ShardedCheckpointer:
         verify: bool = True,
         write_threads: int = 8,
         staging: str = "auto",
+        frozen: bool = True,
     ):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
@@ -401,6 +411,7 @@ class ShardedCheckpointer:
             raise ValueError(f"staging must be one of {', '.join(STAGING)}, got {staging!r}")
         self.write_threads = write_threads
         self.staging = staging
+        self.frozen = frozen
         self.directory = directory
         self.keep = keep
         self.settings = dict(settings or {})
@@ -503,7 +514,7 @@ class ShardedCheckpointer:
             "fingerprint": {"tensors": model_fingerprint(objects), "settings": self.settings},
             "record_crc32": crc32_on(),
         }
-        state = _state_dicts(objects)
+        state = _state_dicts(objects, self.frozen)
         files: dict[str, Any] = {}
         if async_:
             reading = threading.Event() if in_place else None
@@ -857,7 +868,7 @@ class ShardedCheckpointer:
                     key = fqn[len(name) + 1 :] if fqn.startswith(f"{name}.") else ""
                     if key and "." not in key and key not in obj and isinstance(meta, BytesStorageMetadata):
                         obj[key] = None
-        states = _state_dicts(objects)
+        states = _state_dicts(objects, self.frozen)
         # a ShardedOptimizer's fp32 masters, absent from a plain optimizer's checkpoint: taken from the
         # parameters instead (load_state_dict); a plain optimizer has no place for them and steps the parameters
         mine = flatten_state_dict(states)[0]
@@ -890,7 +901,7 @@ class ShardedCheckpointer:
                 "delete it to resume from the previous one"
             )
         self._fail_together(error)
-        _load_into(objects, states)
+        _load_into(objects, states, self.frozen)
         log.info("resumed from %s (step %d, saved by %d rank(s))", found, marker["step"], marker["world_size"])
         return int(marker["step"])
 

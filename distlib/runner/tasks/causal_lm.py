@@ -25,8 +25,9 @@ from distlib.runner.data.errors import DataError
 from distlib.runner.data.text import IGNORED, TokenLoader, eval_windows
 from distlib.runner.observability.throughput import flops_per_token, gpus_per_process, mfu, peak_tflops
 from distlib.runner.observability.timeline import Timeline
-from distlib.runner.tasks.losses import LossFn
+from distlib.runner.tasks.losses import StepLoss, trained
 from distlib.runner.tasks.task import Task, dataset_loaders
+from distlib.runner.training.batch import call_model, to_device
 
 
 class CausalLMTask(Task):
@@ -63,31 +64,33 @@ class CausalLMTask(Task):
             self.timeline.mark("loader")
         else:
             self.loader, self.val_loader, self.train_size, self.eval_size = dataset_loaders(cfg, ctx, per_rank)
-            x, _ = next(iter(self.loader.loader))
-            self.block_size, self.vocab_size = x.shape[-1], None
+            _, y = next(iter(self.loader.loader))  # x a tensor of token ids, or a mapping of them (a chat batch)
+            self.block_size, self.vocab_size = y.shape[-1], None
             self.timeline.mark("data")
             self.timeline.mark("loader")
         self.per_sample = self.block_size
 
-    def loss_fn(self, model: nn.Module | None = None) -> LossFn:
+    def loss_fn(self, model: nn.Module | None = None) -> StepLoss:
         """The loss of the logits; for a model whose training forward returns ``(logits, aux_loss)``
         (a mixture of experts with a load-balancing loss, ``aux_loss_coef`` its weight: hf_causal_lm)
-        plus ``aux_loss_coef * aux_loss``, as transformers' ``.loss``, ``aux_loss`` kept for
-        ``train_metrics`` (summed on the device: no host sync, and captured by a CUDA graph)."""
+        plus ``aux_loss_coef * aux_loss`` (a mean over the micro-batches and ranks, as transformers'
+        ``.loss`` adds it to the trained-token mean), ``aux_loss`` kept for ``train_metrics``
+        (summed on the device: no host sync, and captured by a CUDA graph)."""
         base = super().loss_fn(model)
         coef = getattr(model, "aux_loss_coef", None)
         if coef is None:
             return base
         self._aux = aux_sum = torch.zeros(2, device=self.ctx.device)  # summed aux_loss, the losses summed
 
-        def loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        def parts(outputs: Any, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if not isinstance(outputs, tuple):
-                return base(outputs, targets)
+                return base.parts(outputs, targets)
             logits, aux = outputs
             aux_sum.add_(torch.stack([aux.detach().float(), torch.ones((), device=aux.device)]))
-            return base(logits, targets) + coef * aux.float()
+            total, mean = base.parts(logits, targets)
+            return total, mean + coef * aux.float()
 
-        return loss
+        return StepLoss(parts)
 
     def train_metrics(self, collect: bool = True) -> dict[str, Any]:
         aux = getattr(self, "_aux", None)
@@ -111,7 +114,7 @@ class CausalLMTask(Task):
                                          device=device)))  # fmt: skip
             return x.to(device), y.to(device)
         x, y = next(iter(self.loader.loader))
-        return x.to(device), y.to(device)
+        return to_device(x, device), y.to(device)
 
     def _val_batches(self, ends_only: bool = False) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         if self.text:
@@ -138,13 +141,13 @@ class CausalLMTask(Task):
         model.eval()
         with torch.no_grad():
             for x, y in batches:
-                x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+                x, y = to_device(x, self.ctx.device), y.to(self.ctx.device)
                 with autocast:
-                    logits = model(x)
+                    logits = call_model(model, x)
                 sums[0] += F.cross_entropy(
                     logits.flatten(0, -2).float(), y.flatten(), reduction="sum", ignore_index=IGNORED
                 )
-                sums[1] += (y != IGNORED).sum()  # a padding window's targets count for nothing
+                sums[1] += trained(y)  # the training's mask: prompts, pads, a padding window's targets
         model.train()
         distlib.all_reduce(sums)
         if sums[1].item() == 0:
@@ -158,14 +161,22 @@ class CausalLMTask(Task):
     def model_figures(self, model: nn.Module) -> dict[str, Any]:
         return {"flops_per_token": flops_per_token(model, self.block_size)}
 
-    def rates(self, samples_per_s: float, model: nn.Module) -> dict[str, Any]:
+    def rates(self, samples_per_s: float, model: nn.Module, trained_frac: float = 1.0) -> dict[str, Any]:
+        """tokens/s and MFU; where some targets are masked (``trained_frac`` < 1: prompts, pads), also
+        the trained share, the trained tokens/s and the MFU counting only them."""
         tokens_per_s = samples_per_s * self.block_size
         out: dict[str, Any] = {"tokens_per_s": round(tokens_per_s, 1)}
+        masked = trained_frac < 1.0
+        if masked:
+            out["trained_frac"] = round(trained_frac, 4)
+            out["trained_tokens_per_s"] = round(tokens_per_s * trained_frac, 1)
         peak = peak_tflops(self.ctx.device, self.cfg.train.peak_tflops)
         gpus = self.ctx.world_size * gpus_per_process(self.cfg.dist.mode)  # fallback: a process drives its node
         fraction = mfu(tokens_per_s, flops_per_token(model, self.block_size), gpus, peak)
         if fraction is not None:
             out["mfu"] = round(fraction, 4)
+            if masked:
+                out["trained_mfu"] = round(fraction * trained_frac, 4)
         return out
 
     def finish(self, model: nn.Module, autocast: contextlib.AbstractContextManager) -> dict[str, Any]:

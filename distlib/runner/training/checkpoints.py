@@ -181,8 +181,10 @@ class RunCheckpoints:
         if self._checkpointer is None:
             from distlib.checkpoint.sharded import ShardedCheckpointer
 
+            # frozen=False: a frozen parameter (a LoRA model's base) is rebuilt by the model at every start
+            # (from model.args.pretrained or its config and the seed); the checkpoint holds what trains
             self._checkpointer = ShardedCheckpointer(self.directory, keep=self.keep, settings=self.settings,
-                                                     staging=self.staging)  # fmt: skip
+                                                     staging=self.staging, frozen=False)  # fmt: skip
         return self._checkpointer
 
     def resume(self, *, enabled: bool) -> None:

@@ -60,7 +60,7 @@ import distlib
 from distlib.errors import DistlibError
 from distlib.runner import components
 from distlib.runner.config import LM_DATA, Config, ConfigError, task_of
-from distlib.runner.models.parameters import param_groups
+from distlib.runner.models.parameters import cast_frozen, param_groups
 from distlib.runner.tasks.causal_lm import recipe_vocab_size
 from distlib.runner.training.optimizer_step import PRECISIONS
 
@@ -597,6 +597,7 @@ def measure_step(
         blocks = distlib.find_blocks(model, spec.block_class or None)
         if precision == "fp8":
             _float8_linears(model, spec, blocks)
+        cast_frozen(model, dtype)  # as the runner: a frozen base (LoRA's) in the compute dtype, no gradient
         if shard == "full":  # as shard_model: each block, the last kept gathered after forward, then the root
             policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
             again = spec.reshard_after_forward
