@@ -434,3 +434,22 @@ def test_the_sft_benchmark_runs_its_three_modes_on_the_cpu():
     assert [row["mode"] for row in rows] == ["packed", "padded", "hf-loop"]
     assert len({row["trained_tokens"] for row in rows}) == 1  # the same documents each way
     assert int(rows[0]["steps"]) < int(rows[1]["steps"])  # packed: fewer rows
+
+
+def test_parquet_and_a_dataset_folder_read_as_the_json_lines(tmp_path, tok_dir):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    datasets = pytest.importorskip("datasets")
+    rows = [{"messages": c["messages"], "tools": json.dumps(c["tools"]) if "tools" in c else ""}
+            for c in CONVERSATIONS * 6]  # fmt: skip
+    rows = [{**r, "messages": [{"role": m["role"], "content": m["content"], "train": m.get("train", True)}
+                               for m in r["messages"]]} for r in rows]  # fmt: skip
+    jsonl = write_jsonl(tmp_path / "rows.jsonl", rows)
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "rows.parquet"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "folder"))
+    kw = dict(tokenizer=tok_dir, max_length=96, val_frac=0.0, cache_dir=str(tmp_path / "c"))
+    ref = load_chat(jsonl, **kw)
+    assert ref.stats["documents"] == 12 and ref.stats["rows"] == 12
+    for root in (tmp_path / "rows.parquet", tmp_path / "folder"):
+        got = load_chat(str(root), **kw)
+        assert all(np.array_equal(got.train[k], ref.train[k]) for k in ref.train), root
