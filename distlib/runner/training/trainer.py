@@ -321,7 +321,9 @@ class Trainer:
         self.checkpoints.finish()  # the final checkpoint, written meanwhile: committed after the last row
         self.timeline.mark("checkpoint")  # what is left of its write after the evaluation and the sample
         if self._final_save_t0 is not None:
-            self.timeline.note(final_checkpoint_s=round(time.perf_counter() - self._final_save_t0, 3))
+            # and its phases (the copies to the host, the writes, the fsync, the commit: checkpoints.py)
+            self.timeline.note(final_checkpoint_s=round(time.perf_counter() - self._final_save_t0, 3),
+                               final_checkpoint_phases=self.checkpoints.phases)  # fmt: skip
         self.finished_rows = self.run.read_metrics()  # the summary is printed after the teardown
         self.metrics.training_done()  # curves.png appears shortly after the exit; trackers' runs finished
         self.timeline.mark("plot")
