@@ -255,6 +255,32 @@ def test_attention_is_the_fastest_the_family_allows_and_what_transformers_refuse
             assert name in e.value.problems[0], e.value.problems[0]
 
 
+def test_flex_attention_is_refused_at_launch_where_the_run_would_train_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """Flex attention has no backward on the CPU: a launch that would train there stops at the check,
+    one problem line and exit 2 (not a traceback at the first backward); a CUDA GPU with the nccl or
+    auto backend passes; a config read to plan or to look at is not refused."""
+    import launch
+
+    flex = ["model.args.attn_implementation=flex_attention", "train.max_steps=1", f"run.out_dir={tmp_path / 'run'}"]
+    demo = os.path.join(ROOT, "recipes", "llama_demo.yaml")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    load_config(demo, flex)  # to plan or to look at
+    with pytest.raises(ConfigError) as e:
+        load_config(demo, flex, launch=True)
+    (problem,) = e.value.problems
+    assert problem.startswith("model.args.attn_implementation=flex_attention: ") and "no CUDA GPU" in problem
+    assert launch.main([demo, *flex]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error: ") == 1 and "flex attention has no backward on the CPU" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    load_config(demo, flex, launch=True)
+    load_config(demo, [*flex, "dist.backend=nccl"], launch=True)
+    with pytest.raises(ConfigError) as e:
+        load_config(demo, [*flex, "dist.backend=gloo"], launch=True)
+    assert "(dist.backend=gloo)" in e.value.problems[0]
+
+
 def test_a_command_line_override_changes_one_key_of_the_config_and_null_drops_it(text, tmp_path):
     """model.args.config.x=... merges into the recipe's config (its other keys kept, at any depth),
     an inline mapping too, which reaches transformers as a mapping; a key the recipe sets that another
