@@ -17,8 +17,9 @@ from tests.conftest import ROOT
 
 
 @pytest.fixture(autouse=True)
-def _in_root(monkeypatch, world_size_1):
+def _in_root(monkeypatch, world_size_1, tmp_path):
     monkeypatch.chdir(ROOT)  # the recipes' relative paths
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile"))  # plans kept at launch: the test's
 
 
 def _tiny(*overrides: str):

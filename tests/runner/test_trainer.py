@@ -99,7 +99,7 @@ def test_the_train_state_is_saved_typed_and_restored(tmp_path, world_size_1):
     state = payload["train_state"]
     assert set(state) == {"epoch", "step", "train_s", "elapsed_s", "epoch_s"} and state["epoch"] == 1
     assert 0 < state["train_s"] <= state["elapsed_s"]
-    assert set(payload["ranks"][0]["states"]["train_state"]) == {"loss_sum"}  # per rank
+    assert set(payload["ranks"][0]["states"]["train_state"]) == {"loss_sum", "trained_sum"}  # per rank
     assert set(payload) == {"model", "optimizer", "scheduler", "train_state", "ranks"}  # nothing on the side
 
     shutil.rmtree(out / "checkpoints" / step_name(2 * steps))
