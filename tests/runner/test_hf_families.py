@@ -33,7 +33,7 @@ SMALL = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=64,
-    pad_token_id=0,
+    pad_token_id=3,  # not 0: a row zeroed or skipped in the wrong place shows
     bos_token_id=1,
     eos_token_id=2,
 )
@@ -63,7 +63,7 @@ FAMILIES = {
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
                         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
                         q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                        max_position_embeddings=64, pad_token_id=3, bos_token_id=1, eos_token_id=2),
 }  # fmt: skip
 MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}  # with a load-balancing loss (deepseek_v3 balances without one)
 SLOW = {"deepseek_v3", "gemma3_text", "qwen2_moe", "granite", "olmo2", "mistral", "qwen3", "gemma"}
