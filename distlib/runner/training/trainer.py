@@ -179,7 +179,8 @@ class Trainer:
             save_files(self.run.path)  # what builds the model again (its config): the export needs no more
         self.run.write_text("environment.json", environment_json(ctx))  # a collective: every rank calls it
         self.log.info(
-            "%s (%s): %d params (%d trained), %d train / %d evaluation samples, global batch %d over %d rank(s), %d steps/epoch",
+            "%s (%s): %d params (%d trained), %d train / %d evaluation samples, global batch %d over %d rank(s), "
+            "%d steps/epoch",
             cfg.model.name, self.task.name, count_params(model), count_trainable(model), self.task.train_size,
             self.task.eval_size,
             t.batch_size, ctx.world_size, len(self.loader),
@@ -503,7 +504,8 @@ class Trainer:
         from distlib.checkpoint.sharded import ShardedCheckpointer
 
         objects = {"model": self.model, **({"ema": self.ema} if self.ema is not None else {})}
-        ShardedCheckpointer(os.path.join(self.run.path, "weights"), keep=1, frozen=False).save(self.global_step, objects)
+        weights = ShardedCheckpointer(os.path.join(self.run.path, "weights"), keep=1, frozen=False)
+        weights.save(self.global_step, objects)
 
     # ---- teardown ------------------------------------------------------------------------
 
