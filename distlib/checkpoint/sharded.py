@@ -254,6 +254,16 @@ def _model_options(frozen: bool) -> StateDictOptions:
     return StateDictOptions() if frozen else StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
+def _plain(name: str) -> str:
+    """A parameter's name without the wrappers' parts (compile's, activation checkpointing's)."""
+    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def _frozen_names(module: nn.Module) -> set[str]:
+    """Every name of every parameter of ``module`` that does not require grad, tied ones included."""
+    return {_plain(n) for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
 def _state_dicts(objects: Mapping[str, Any], frozen: bool = True) -> dict[str, Any]:
     """What DCP saves or loads into, per object: modules and optimizers through DCP's state_dict helpers
     (FSDP2 DTensors stay sharded, optimizer state is keyed by parameter name; ``frozen=False``: a module's
@@ -262,6 +272,9 @@ def _state_dicts(objects: Mapping[str, Any], frozen: bool = True) -> dict[str, A
     for name, obj in objects.items():
         if isinstance(obj, nn.Module):
             out[name] = get_model_state_dict(obj, options=_model_options(frozen))
+            if not frozen:  # DCP leaves out one name of each; a tied frozen weight's other names too
+                drop = _frozen_names(obj)
+                out[name] = {k: v for k, v in out[name].items() if _plain(k) not in drop}
         elif (model := _owner(obj, objects)) is not None:
             out[name] = get_optimizer_state_dict(model, obj)
         elif isinstance(obj, dict):

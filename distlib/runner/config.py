@@ -32,9 +32,9 @@ class AugmentConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "image_folder"  # image_folder, byte_text (.txt/.txt.gz), token_file (.bin), or package.module:callable
+    name: str = "image_folder"  # image_folder, byte_text (.txt/.txt.gz), token_file (.bin), chat, or module:callable
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the data set (text: block_size, ...)
-    root: str = "data/cifar10-demo"  # image_folder: CIFAR-10 or ImageFolder; byte_text: the file; token_file: file(s)
+    root: str = "data/cifar10-demo"  # image_folder: CIFAR-10 or ImageFolder; byte_text, token_file, chat: the file(s)
     download: bool = False  # let torchvision download CIFAR-10 into root when it is missing
     cache_dir: str = ""  # where the decoded uint8 tensors are kept; "" = $XDG_CACHE_HOME/distlib or ~/.cache/distlib
     train_subset: int = 0  # use only the first N training images (0 = all)
@@ -500,7 +500,7 @@ def task_of(cfg: Config) -> str:
     return "causal_lm" if lm else "classification"
 
 
-LM_DATA = ("byte_text", "token_file")  # the built-in language-model data sets
+LM_DATA = ("byte_text", "token_file", "chat")  # the built-in language-model data sets
 LM_MODELS = ("gpt", "hf_causal_lm")  # the built-in language models
 
 
@@ -508,7 +508,7 @@ LM_MODELS = ("gpt", "hf_causal_lm")  # the built-in language models
 # component may need them without the recipe's args naming them
 PROVIDED = {
     "model": ("num_classes", "width", "vocab_size", "block_size"),
-    "data": ("root", "download", "cache_dir"),
+    "data": ("root", "download", "cache_dir", "pretrained"),
     "loss": ("label_smoothing",),
 }
 
@@ -538,6 +538,10 @@ def _check_components(cfg: Config, problems: list[str]) -> None:
     if cfg.data.name == "token_file" and cfg.model.name == "gpt" and "vocab_size" not in cfg.model.args:
         problems.append("model.args.vocab_size: needed with data.name=token_file (the tokenizer's vocabulary size; "
                         "the gpt's default of 256 is byte_text's)")  # fmt: skip
+    if cfg.data.name == "chat":  # what packed documents need of the model (runner/tasks/chat.py)
+        from distlib.runner.tasks.chat import chat_problems
+
+        problems.extend(chat_problems(cfg))
     hf_config = cfg.model.args.get("config")
     if cfg.data.name == "token_file" and cfg.model.name == "hf_causal_lm" and isinstance(hf_config, dict):
         if "vocab_size" not in hf_config:

@@ -242,9 +242,10 @@ def step_spec(cfg: Config) -> StepSpec:
     the recipe's). Raises PlanError for what the plan does not measure."""
     if task_of(cfg) != "causal_lm":
         raise PlanError([f"memory plan: train.task={task_of(cfg)}: only language-model recipes are planned"])
-    seq_len = cfg.data.args.get("block_size")
+    length = "max_length" if cfg.data.name == "chat" else "block_size"  # chat rows: data.args.max_length tokens
+    seq_len = cfg.data.args.get(length)
     if seq_len is None:
-        default = inspect.signature(components.resolve("data", cfg.data.name)).parameters.get("block_size")
+        default = inspect.signature(components.resolve("data", cfg.data.name)).parameters.get(length)
         seq_len = default.default if default is not None and default.default is not inspect.Parameter.empty else None
     if not isinstance(seq_len, int):
         raise PlanError([f"memory plan: data.args.block_size: the sequence length of data.name={cfg.data.name} "
