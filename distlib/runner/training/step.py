@@ -259,7 +259,8 @@ def build_step(
                             post_step=post_step)  # fmt: skip
 
     whole = apply_block_settings(cfg, model)  # checkpointing and per-block compile, in place
-    parts = compiled_loss(cfg, loss_fn.parts)
+    # the loss compiled with the model; a loss the model applies (loss.chunks) compiles its own chunks
+    parts = compiled_loss(cfg, loss_fn.parts) if loss_fn.head is None else loss_fn.parts
     if shard == "full":
         sync = distlib.FSDPSync(model, accumulate=cfg.dist.accumulate)
         # FSDP2's mixed precision (shard_model's param_dtype) replaces autocast: the weights are
