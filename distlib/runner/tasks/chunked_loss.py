@@ -58,11 +58,12 @@ def _chunk_fn(compile_backend: str | None):
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunks: int, smoothing: float,
-                grads: bool, compile_backend: str | None):  # fmt: skip
+                grads: bool, weight_grad: bool, compile_backend: str | None):  # fmt: skip
         chunk = _chunk_fn(compile_backend)
         total = torch.zeros((), device=h.device, dtype=torch.float32)
         grad_h = torch.empty_like(h) if grads else None
-        grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if grads else None
+        # a frozen output layer (adapters train the rest): no gradient of it to compute or keep
+        grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if grads and weight_grad else None
         start = 0
         for hc, yc in zip(h.chunk(chunks), y.chunk(chunks)):
             part, g = chunk(hc, weight, yc, smoothing, grads)
@@ -70,16 +71,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grads:
                 g = g.to(h.dtype)
                 grad_h[start : start + hc.shape[0]] = g @ weight
-                grad_w.addmm_(g.t(), hc)  # fp32 accumulation over the chunks
+                if grad_w is not None:
+                    grad_w.addmm_(g.t(), hc)  # fp32 accumulation over the chunks
             start += hc.shape[0]
         if grads:
-            ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+            ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
         return total
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None, None, None
+        grad_w = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
+        return grad_h * grad_out.to(grad_h.dtype), grad_w, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -108,7 +111,7 @@ def linear_cross_entropy(
     grads = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)  # evaluation: the loss alone
     with torch.autocast(device, enabled=False):
         return _LinearCrossEntropy.apply(h, w, targets.flatten(), max(1, chunks), label_smoothing, grads,
-                                         compile_backend)  # fmt: skip
+                                         w.requires_grad, compile_backend)  # fmt: skip
 
 
 def _apply(hidden: torch.Tensor, head: nn.Module, *, targets: torch.Tensor, chunks: int, label_smoothing: float,

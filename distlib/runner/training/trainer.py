@@ -37,7 +37,7 @@ from distlib.reliability.stop import StopSignal
 from distlib.reliability.watchdog import Watchdog
 from distlib.runner import components
 from distlib.runner.config import Config, ConfigError, dump_yaml
-from distlib.runner.models.parameters import count_params
+from distlib.runner.models.parameters import cast_frozen, count_params, count_trainable
 from distlib.runner.observability.environment import bytecode_hint, environment_json
 from distlib.runner.observability.metrics import Metrics, build_metrics
 from distlib.runner.observability.profiling import StepProfiler
@@ -179,8 +179,9 @@ class Trainer:
             save_files(self.run.path)  # what builds the model again (its config): the export needs no more
         self.run.write_text("environment.json", environment_json(ctx))  # a collective: every rank calls it
         self.log.info(
-            "%s (%s): %d params, %d train / %d evaluation samples, global batch %d over %d rank(s), %d steps/epoch",
-            cfg.model.name, self.task.name, count_params(model), self.task.train_size, self.task.eval_size,
+            "%s (%s): %d params (%d trained), %d train / %d evaluation samples, global batch %d over %d rank(s), %d steps/epoch",
+            cfg.model.name, self.task.name, count_params(model), count_trainable(model), self.task.train_size,
+            self.task.eval_size,
             t.batch_size, ctx.world_size, len(self.loader),
         )  # fmt: skip
         self.log.info("budget: %s", self.budget.describe())
@@ -205,7 +206,8 @@ class Trainer:
         dist.shard=full ``shard_model`` then keeps this rank's shards (FSDP2 per entry of the
         model's ``blocks``, then the root; bf16 weights in the layers with train.precision=bf16 on
         a GPU, gradients reduced in fp32). With train.precision=fp8 the blocks' Linear layers are
-        float8 ones (runner/training/float8.py), converted before the sharding (``convert=``). A model with
+        float8 ones (runner/training/float8.py), converted before the sharding (``convert=``). Parameters
+        that do not train (a LoRA model's base) are kept in the compute dtype (``cast_frozen``). A model with
         ``load_pretrained()`` (hf_causal_lm from a folder) then reads its weights into its parameters
         where they are."""
         cfg, device = self.cfg, self.ctx.device
@@ -225,11 +227,13 @@ class Trainer:
             model = distlib.shard_model(build, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
                                         device=device, block_types=block_types, empty=empty, offload=cfg.dist.offload,
                                         reshard_after_forward=cfg.dist.reshard_after_forward,
-                                        convert=lambda m: convert_model(cfg, m, device))  # fmt: skip
+                                        convert=lambda m: (convert_model(cfg, m, device),
+                                                           cast_frozen(m, dtype)))  # fmt: skip
         else:
             with torch.device(device):  # where it runs: no copy on the host first
                 model = build().to(device)  # .to: a no-op, unless the model put a tensor on a device of its own
             convert_model(cfg, model, device)
+            cast_frozen(model, autocast_dtype(cfg.train.precision, device))  # a frozen base: no fp32 copy
             if cfg.model.channels_last:  # changes 4-D (convolution) weights only
                 model = model.to(memory_format=torch.channels_last)
         if callable(load := getattr(model, "load_pretrained", None)):
@@ -317,7 +321,9 @@ class Trainer:
         self.checkpoints.finish()  # the final checkpoint, written meanwhile: committed after the last row
         self.timeline.mark("checkpoint")  # what is left of its write after the evaluation and the sample
         if self._final_save_t0 is not None:
-            self.timeline.note(final_checkpoint_s=round(time.perf_counter() - self._final_save_t0, 3))
+            # and its phases (the copies to the host, the writes, the fsync, the commit: checkpoints.py)
+            self.timeline.note(final_checkpoint_s=round(time.perf_counter() - self._final_save_t0, 3),
+                               final_checkpoint_phases=self.checkpoints.phases)  # fmt: skip
         self.finished_rows = self.run.read_metrics()  # the summary is printed after the teardown
         self.metrics.training_done()  # curves.png appears shortly after the exit; trackers' runs finished
         self.timeline.mark("plot")
@@ -497,7 +503,7 @@ class Trainer:
         from distlib.checkpoint.sharded import ShardedCheckpointer
 
         objects = {"model": self.model, **({"ema": self.ema} if self.ema is not None else {})}
-        ShardedCheckpointer(os.path.join(self.run.path, "weights"), keep=1).save(self.global_step, objects)
+        ShardedCheckpointer(os.path.join(self.run.path, "weights"), keep=1, frozen=False).save(self.global_step, objects)
 
     # ---- teardown ------------------------------------------------------------------------
 
