@@ -162,7 +162,12 @@ def measure(cfg, world: int, per_rank: int, device) -> dict:  # noqa: ANN001
             torch.cuda.reset_peak_memory_stats()
         opt = optimizer_spec(t, model, device, offload=cfg.dist.offload)  # as Trainer.build_optimizer
         ema: list = []  # as Trainer.build: made once the step has put the weights where it keeps them
-        step = build_step(cfg, ctx, model, opt, per_rank, loss_fn=spec.loss_fn,
+        loss_fn = spec.loss_fn  # the plain loss, or the output layer in chunks as the runner's task picks it
+        if spec.chunks and getattr(model, "takes_head", False):
+            from distlib.runner.tasks.chunked_loss import chunked_cross_entropy
+
+            loss_fn = chunked_cross_entropy(spec.chunks, t.label_smoothing)
+        step = build_step(cfg, ctx, model, opt, per_rank, loss_fn=loss_fn,
                           post_step=(lambda: ema[0].update()) if t.ema > 0 else None)  # fmt: skip
         if t.ema > 0:
             ema.append(distlib.EMA(model, 0.99))

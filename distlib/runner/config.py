@@ -58,6 +58,9 @@ class LossConfig:
     # with reduction="sum", and the step takes its mean over the trained targets: docs/loss.md)
     name: str = "cross_entropy"
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments bound to the loss
+    # a language model's cross_entropy with its output layer in this many chunks of tokens, never
+    # holding the whole logits (gpt, hf_causal_lm; docs/loss.md); 0 = the output layer in the model
+    chunks: int = 8
 
 
 @dataclass
@@ -398,6 +401,7 @@ def _validate(cfg: Config, problems: list[str], components: bool = True) -> None
         "train.max_steps": cfg.train.max_steps,
         "train.eval_every": cfg.train.eval_every,
         "train.eval_every_steps": cfg.train.eval_every_steps,
+        "loss.chunks": cfg.loss.chunks,
         "train.prewarm_steps": cfg.train.prewarm_steps,
         "train.tta_translate": cfg.train.tta_translate,
         "train.clip_grad_norm": cfg.train.clip_grad_norm,

@@ -62,6 +62,7 @@ from distlib.runner import components
 from distlib.runner.config import LM_DATA, Config, ConfigError, task_of
 from distlib.runner.models.parameters import cast_frozen, param_groups
 from distlib.runner.tasks.causal_lm import recipe_vocab_size
+from distlib.runner.tasks.chunked_loss import chunked_cross_entropy, linear_cross_entropy
 from distlib.runner.training.optimizer_step import PRECISIONS
 
 GIB = 2**30
@@ -231,6 +232,7 @@ class StepSpec:
     compress: str = "none"  # dist.compress: "bf16", GradSync keeps a bf16 copy of its buckets to send
     ema: bool = False  # train.ema > 0: an average of the weights (distlib.EMA), updated after each step
     compiled_blocks: bool = False  # train.compile compiles the blocks one by one with inductor
+    chunks: int = 0  # loss.chunks: the output layer and the loss in chunks, where the model takes a head
     # the compiled blocks' traces (seconds each), shared by every step measured of this spec: the model at
     # 2, 3, 4... blocks and each mode's step trace its blocks once (_partitioned_as_inductor)
     traces: dict[Any, Callable[..., Any]] = field(default_factory=dict, compare=False, repr=False)
@@ -271,6 +273,8 @@ def step_spec(cfg: Config) -> StepSpec:
         offload=cfg.dist.offload, fp8_recipe=t.fp8_recipe, fp8_layers=t.fp8_layers, momentum=t.momentum,
         nesterov=t.nesterov, cuda_graph=t.cuda_graph, compress=cfg.dist.compress, ema=t.ema > 0,
         compiled_blocks=t.compile in ("auto", "blocks") and t.compile_backend == "inductor",
+        chunks=cfg.loss.chunks if cfg.loss.name == "cross_entropy" and set(cfg.loss.args) <= {"label_smoothing"}
+        else 0,
     )  # fmt: skip
 
 
@@ -675,10 +679,19 @@ def measure_step(
             for m in model.modules() if shard == "full" else ():
                 if isinstance(m, FSDPModule):  # the last block stays gathered after forward: counted when
                     m.reshard()  # the measured step gathers it
+        # the output layer applied by the loss in chunks, inside the model's forward (runner/tasks/chunked_loss.py)
+        head = chunked_cross_entropy(spec.chunks).head(y) if spec.chunks and getattr(model, "takes_head", False) \
+            else None  # fmt: skip
         with _fsdp_parts(ledger) if shard == "full" else contextlib.nullcontext(), ledger:
             for k in range(spec.grad_accum):
                 if shard == "full":  # FSDPSync: no reduce-scatter before the last micro-batch, unless sharded
                     model.set_requires_gradient_sync(k == spec.grad_accum - 1 or spec.accumulate == "sharded")
+                if head is not None:
+                    with autocast:
+                        loss = model(x, head=head)
+                    loss.backward()
+                    del loss
+                    continue
                 with autocast:
                     out = model(x)
                     # a mixture of experts in training: (logits, aux_loss), the aux term added to the loss
@@ -773,6 +786,24 @@ def measure_loss(spec: StepSpec, batch: int, shard: str, precision: str) -> int:
 
     dtype = _COMPUTE[precision] or torch.float32
     ledger = Ledger()
+    if spec.chunks:
+        with FakeTensorMode(), torch.device("cpu"):
+            model = spec.build_layers(1) if spec.build_layers is not None else spec.build()
+            out_layer = (
+                model.lm_head if hasattr(model, "lm_head") else getattr(model, "hf", model).get_output_embeddings()
+            )
+            if getattr(model, "takes_head", False):  # the hidden states, one chunk's logits and the gradients
+                hidden = torch.empty(batch // spec.grad_accum, spec.seq_len, out_layer.weight.shape[1], dtype=dtype,
+                                     requires_grad=True)  # fmt: skip
+                weight = out_layer.weight.detach().to(dtype).requires_grad_()
+                y = torch.zeros(hidden.shape[:-1], dtype=torch.long)
+                layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+                layer.weight = nn.Parameter(weight)
+                ledger.hold(hidden, "activations")
+                with ledger, _autocast(dtype) if shard != "full" else contextlib.nullcontext():
+                    loss = linear_cross_entropy(hidden, layer, y, chunks=spec.chunks)
+                    loss.backward()
+                return ledger.peak
     with FakeTensorMode(), torch.device("cpu"):
         logits = torch.empty(batch // spec.grad_accum, spec.seq_len, spec.vocab_size, dtype=dtype,
                              requires_grad=True)  # fmt: skip
