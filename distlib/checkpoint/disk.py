@@ -72,7 +72,7 @@ def size(n: int) -> str:
 def describe(directory: str, what: str, need: int | None = None, note: str = "") -> str:
     """The line of a full disk: where, what, how much it needs against what is free now, ``note``."""
     free = free_bytes(directory)
-    needs = f" needs about {size(need)}," if need else ""
+    needs = f" needs about {size(need)}," if need else ","
     has = f" {size(free)} free there" if free is not None else " no room"
     return (f"the disk is full: writing {what} into {os.path.abspath(directory)}{needs}{has}{note}; "
             "free space on that disk, or write to another")  # fmt: skip

@@ -756,14 +756,20 @@ class ShardedCheckpointer:
             if together:
                 self.wait()
             elif self._pending is not None:
-                step, partial, _, thread, _ = self._pending
+                step, partial, _, thread, files = self._pending
                 self._pending = None
                 _IN_FLIGHT.discard(self)
                 if thread is not None:
                     thread.join()
+                # its own write found the disk full: the partial directory goes, and the space it holds (a
+                # partial one otherwise waits for the next run's resume, which deletes it)
+                removed = collectives.rank() == 0 and disk.is_disk_full(files.get("error"))
+                if removed:
+                    shutil.rmtree(partial, ignore_errors=True)
                 get_logger().warning(
-                    "the checkpoint of step %d in %s is not committed: shutdown after a failure, and a commit "
+                    "the checkpoint of step %d in %s is not committed%s: shutdown after a failure, and a commit "
                     "needs every rank; the previous checkpoint stays the one a resume loads", step, partial,
+                    " (removed: its write found the disk full)" if removed else "",
                 )  # fmt: skip
         finally:
             self._group, self._staging = None, None
