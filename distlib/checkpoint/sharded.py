@@ -16,6 +16,7 @@ import re
 import shutil
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -73,6 +75,26 @@ def _own_files(directory: str, rank: int) -> dict[str, dict[str, Any]]:
         if name.startswith(f"__{rank}_") or (rank == 0 and name == ".metadata"):
             out[name] = {"bytes": os.path.getsize(os.path.join(directory, name))}
     return out
+
+
+def _fsync_files(paths: list[str], threads: int) -> None:
+    """Each file's data on the disk (as many at once as ``threads``): what a commit must follow."""
+
+    def sync(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    if len(paths) <= 1 or threads <= 1:
+        for path in paths:
+            sync(path)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(threads, len(paths))) as pool:
+        list(pool.map(sync, paths))
 
 
 def model_fingerprint(objects: Mapping[str, Any]) -> dict[str, str]:
@@ -229,14 +251,33 @@ def _owner(opt: Any, objects: Mapping[str, Any]) -> nn.Module | None:
     return None
 
 
-def _state_dicts(objects: Mapping[str, Any]) -> dict[str, Any]:
+def _model_options(frozen: bool) -> StateDictOptions:
+    """DCP's options for a module's state: without ``frozen``, the parameters that do not require grad
+    left out (and not required back on load)."""
+    return StateDictOptions() if frozen else StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def _plain(name: str) -> str:
+    """A parameter's name without the wrappers' parts (compile's, activation checkpointing's)."""
+    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def _frozen_names(module: nn.Module) -> set[str]:
+    """Every name of every parameter of ``module`` that does not require grad, tied ones included."""
+    return {_plain(n) for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def _state_dicts(objects: Mapping[str, Any], frozen: bool = True) -> dict[str, Any]:
     """What DCP saves or loads into, per object: modules and optimizers through DCP's state_dict helpers
-    (FSDP2 DTensors stay sharded, optimizer state is keyed by parameter name), plain dicts as they are,
-    anything else its ``state_dict()``."""
+    (FSDP2 DTensors stay sharded, optimizer state is keyed by parameter name; ``frozen=False``: a module's
+    parameters that do not require grad left out), plain dicts as they are, anything else its ``state_dict()``."""
     out: dict[str, Any] = {}
     for name, obj in objects.items():
         if isinstance(obj, nn.Module):
-            out[name] = get_model_state_dict(obj)
+            out[name] = get_model_state_dict(obj, options=_model_options(frozen))
+            if not frozen:  # DCP leaves out one name of each; a tied frozen weight's other names too
+                drop = _frozen_names(obj)
+                out[name] = {k: v for k, v in out[name].items() if _plain(k) not in drop}
         elif (model := _owner(obj, objects)) is not None:
             out[name] = get_optimizer_state_dict(model, obj)
         elif isinstance(obj, dict):
@@ -251,13 +292,13 @@ def _state_dicts(objects: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _load_into(objects: Mapping[str, Any], states: Mapping[str, Any]) -> None:
+def _load_into(objects: Mapping[str, Any], states: Mapping[str, Any], frozen: bool = True) -> None:
     # the modules first: a ShardedOptimizer whose checkpoint has no fp32 masters (a plain optimizer's)
     # takes them from its parameters
     for name, obj in sorted(objects.items(), key=lambda item: not isinstance(item[1], nn.Module)):
         state = states[name]
         if isinstance(obj, nn.Module):
-            set_model_state_dict(obj, state)
+            set_model_state_dict(obj, state, options=_model_options(frozen))
         elif (model := _owner(obj, objects)) is not None:
             set_optimizer_state_dict(model, obj, state)
         elif isinstance(obj, dict):
@@ -409,7 +450,9 @@ class ShardedCheckpointer:
     thread then copies it to host memory and frees it); ``"host"``, into page-locked host memory kept
     between saves (the first save page-locks it, about 2.3 GB/s, once per process); ``"auto"``, the
     device when its memory outside torch's cache holds the copy with 10% and 1 GiB to spare at the
-    first save of a layout, else the host.
+    first save of a layout, else the host. ``frozen=False``: the modules' parameters that do not
+    require grad (a frozen base under adapters) are neither saved nor loaded: whoever resumes
+    rebuilds them as they were (from the same files or seed) before ``resume``.
 
     ``save``, ``wait``, ``resume`` and ``close`` are collectives: every rank must call them, in the
     same order.
@@ -424,6 +467,7 @@ class ShardedCheckpointer:
         verify: bool = True,
         write_threads: int = 8,
         staging: str = "auto",
+        frozen: bool = True,
     ):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
@@ -433,6 +477,7 @@ class ShardedCheckpointer:
             raise ValueError(f"staging must be one of {', '.join(STAGING)}, got {staging!r}")
         self.write_threads = write_threads
         self.staging = staging
+        self.frozen = frozen
         self.directory = directory
         self.keep = keep
         self.settings = dict(settings or {})
@@ -448,6 +493,9 @@ class ShardedCheckpointer:
         self._hooked: set[int] = set()  # the optimizers whose step waits for staging
         self._pending: tuple[int, str, dict[str, Any], threading.Thread | None, dict[str, Any]] | None = None
         self._need = 0  # the bytes of the save in flight, over every rank
+        # where the last committed save's time went, in seconds (``phases``)
+        self.phases: dict[str, float] = {}
+        self._phases: dict[str, float] = {}  # the save in flight's, so far
         # distlib.shutdown() (and the exit hook) commit a save still in flight, and drop this object's group
         process_group.on_shutdown(self._at_shutdown)
 
@@ -509,6 +557,8 @@ class ShardedCheckpointer:
         The modules' buffers are still copied at the call (a forward in training mode changes them).
         """
         self.wait()
+        t0 = time.perf_counter()
+        phases = self._phases = {}
         rank = collectives.rank()
         partial = os.path.join(self.directory, f".partial-{step_name(step)}")
         error = None
@@ -531,7 +581,7 @@ class ShardedCheckpointer:
             "fingerprint": {"tensors": model_fingerprint(objects), "settings": self.settings},
             "record_crc32": crc32_on(),
         }
-        state = _state_dicts(objects)
+        state = _state_dicts(objects, self.frozen)
         self._need = _global_bytes(state)  # what a full disk's message says the checkpoint needs
         files: dict[str, Any] = {}
         if async_:
@@ -543,14 +593,15 @@ class ShardedCheckpointer:
             def write() -> None:  # off the training thread: the write, DCP's finish step, the files' sizes
                 errors = _WriteErrors()
                 try:
+                    t = time.perf_counter()
                     if on_device:  # the device copies (or, in place, the tensors themselves) to the host
                         _to_host(on_device, self._bounce, self._stream)
                     elif self._staged_event is not None:
                         self._staged_event.synchronize()
                     if reading is not None and staged_on_gpu:
                         reading.set()  # from a GPU: what the write reads is in host memory now
-                    dcp.save(staged, storage_writer=self._writer(partial, errors), process_group=self._pg())
-                    files.update(_own_files(partial, rank))
+                    phases["to_host_s"] = time.perf_counter() - t
+                    self._write_files(staged, partial, rank, files, phases, errors)
                 except BaseException as e:  # reported by wait() on every rank
                     files["error"] = e
                 finally:
@@ -562,13 +613,14 @@ class ShardedCheckpointer:
             self._pg()  # a collective when it creates the group: here, on every rank, not in the thread
             thread = threading.Thread(target=write, name="distlib-checkpoint", daemon=True)
             thread.start()
+            phases["call_s"] = time.perf_counter() - t0
             self._pending = (step, partial, marker, thread, files)
             _IN_FLIGHT.add(self)
             return
+        phases["call_s"] = time.perf_counter() - t0
         errors = _WriteErrors()
         try:
-            dcp.save(state, storage_writer=self._writer(partial, errors), process_group=self._pg())
-            files.update(_own_files(partial, rank))
+            self._write_files(state, partial, rank, files, phases, errors)
         except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
             files["error"] = e
         if errors.error is not None:
@@ -576,13 +628,31 @@ class ShardedCheckpointer:
         self._pending = (step, partial, marker, None, files)
         self.wait()
 
+    def _write_files(self, state: Any, partial: str, rank: int, files: dict[str, Any],
+                     phases: dict[str, float], errors: _WriteErrors) -> None:  # fmt: skip
+        """DCP's save of ``state`` into ``partial`` (``write_s``: its planning collectives and the writes),
+        then this rank's files synced to the disk (``fsync_s``) and their sizes into ``files``. A failed
+        write's error is kept in ``errors``."""
+        t = time.perf_counter()
+        dcp.save(state, storage_writer=self._writer(partial, errors), process_group=self._pg())
+        phases["write_s"] = time.perf_counter() - t
+        if errors.error is not None:
+            return  # the caller raises it; nothing to sync
+        t = time.perf_counter()
+        own = _own_files(partial, rank)
+        _fsync_files([os.path.join(partial, name) for name in own], self.write_threads)
+        phases["fsync_s"] = time.perf_counter() - t
+        files.update(own)
+
     def _writer(self, partial: str, errors: _WriteErrors) -> dcp.FileSystemWriter:
         """DCP's writer with ``write_threads`` files per rank, each written by its own thread (which
         copies its tensors from the GPU as it goes): one thread leaves the disk idle while it copies,
         and the copies idle while it writes (1.5B GPT + AdamW, 17.7 GiB, on an H200's host: 37.0 s
-        with 1 thread, 18.5 s with 4, 15.5 s with 8; ``torch.save`` 35.7 s). Its file system keeps
+        with 1 thread, 18.5 s with 4, 15.5 s with 8; ``torch.save`` 35.7 s). Its files are not synced
+        one by one as each thread ends (``sync_files``): ``_write_files`` syncs them all after, in
+        as many threads, as fast and timed apart (before the commit either way). Its file system keeps
         a failed write's error in ``errors`` (``_WriteErrors``)."""
-        writer = dcp.FileSystemWriter(partial, thread_count=self.write_threads)
+        writer = dcp.FileSystemWriter(partial, thread_count=self.write_threads, sync_files=False)
         writer.fs = errors
         return writer
 
@@ -677,9 +747,12 @@ class ShardedCheckpointer:
         step, partial, marker, thread, files = self._pending
         self._pending = None
         _IN_FLIGHT.discard(self)
+        phases, t = self._phases, time.perf_counter()
         if thread is not None:
             thread.join()
+            phases["waited_s"] = time.perf_counter() - t  # what was left of the write when this was called
         self._reading = None
+        t = time.perf_counter()
         error = files.pop("error", None)
         problem = None
         if error is not None:
@@ -695,6 +768,8 @@ class ShardedCheckpointer:
                 problem = (disk.is_disk_full(e), f"rank 0 could not commit checkpoint {partial}: {type(e).__name__}: "
                            f"{e}")  # fmt: skip
         self._fail_together_removing(step, partial, problem)
+        phases["commit_s"] = time.perf_counter() - t  # the ranks' agreement, commit.json, the rename, old ones
+        self.phases = {k: round(v, 3) for k, v in phases.items()}
 
     def _fail_together_removing(self, step: int, partial: str, problem: tuple[bool, str] | None) -> None:
         """When any rank could not write (``problem``: whether its disk was full, and its line), rank 0
@@ -906,7 +981,7 @@ class ShardedCheckpointer:
                     key = fqn[len(name) + 1 :] if fqn.startswith(f"{name}.") else ""
                     if key and "." not in key and key not in obj and isinstance(meta, BytesStorageMetadata):
                         obj[key] = None
-        states = _state_dicts(objects)
+        states = _state_dicts(objects, self.frozen)
         # a ShardedOptimizer's fp32 masters, absent from a plain optimizer's checkpoint: taken from the
         # parameters instead (load_state_dict); a plain optimizer has no place for them and steps the parameters
         mine = flatten_state_dict(states)[0]
@@ -939,7 +1014,7 @@ class ShardedCheckpointer:
                 "delete it to resume from the previous one"
             )
         self._fail_together(error)
-        _load_into(objects, states)
+        _load_into(objects, states, self.frozen)
         log.info("resumed from %s (step %d, saved by %d rank(s))", found, marker["step"], marker["world_size"])
         return int(marker["step"])
 

@@ -1,4 +1,4 @@
-"""``python -m distlib.runner.export RUN_DIR OUT_DIR [--dtype bf16|fp32]``: a finished run's model as
+"""``python -m distlib.runner.export RUN_DIR OUT_DIR [--dtype bf16|fp32] [--merge]``: a finished run's model as
 files other programs load (a Hugging Face folder). The work is done in ``distlib.runner.hf.export``."""
 
 import sys

@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-import launch
 from distlib.checkpoint.disk import DiskFull
+from distlib.runner.main import _teardown
 from distlib.runner.observability.tensorboard import TensorBoardLog
 from distlib.runner.training.outcome import exit_code
 from tests.conftest import ROOT
@@ -158,14 +158,14 @@ def test_tensorboard_on_a_full_disk_raises_disk_full(tmp_path):
 
 
 def test_a_full_disk_in_the_teardown_is_said_in_one_line_with_exit_2(tmp_path, capfd):
-    """summary.json, the run's last write, after its processes have left the group: launch.main says it as any
+    """summary.json, the run's last write, after its processes have left the group: main() says it as any
     other full disk (not a traceback)."""
 
     class Trainer:
         def close(self, failure):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "summary.json"))
 
-    late = launch._teardown(Trainer(), None)
+    late = _teardown(Trainer(), None)
     assert isinstance(late, OSError)
     assert exit_code(late, 0.0) == 2
     err = capfd.readouterr().err
@@ -179,4 +179,4 @@ def test_other_errors_of_the_teardown_stay_bugs():
             raise OSError(errno.EACCES, "Permission denied")
 
     with pytest.raises(OSError, match="Permission denied"):
-        launch._teardown(Trainer(), None)
+        _teardown(Trainer(), None)

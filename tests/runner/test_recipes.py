@@ -19,8 +19,15 @@ def test_there_are_recipes():
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
-def test_recipe_validates(recipe):
-    cfg = load_config(recipe)
+def test_recipe_validates(recipe, tmp_path):
+    overrides = []
+    if os.path.basename(recipe) == "llama_sft.yaml":  # the user gives the pretrained folder: a tiny one here
+        pytest.importorskip("transformers")
+        from tests.runner.test_hf_causal_lm import save_tiny
+
+        save_tiny(tmp_path / "pretrained")
+        overrides = [f"model.args.pretrained={tmp_path / 'pretrained'}"]
+    cfg = load_config(recipe, overrides)
     assert cfg.run.name == os.path.splitext(os.path.basename(recipe))[0]
 
 

@@ -1,4 +1,4 @@
-"""``python -m distlib.runner.export RUN_DIR OUT_DIR [--dtype bf16|fp32]``: the final model of a run
+"""``python -m distlib.runner.export RUN_DIR OUT_DIR [--dtype bf16|fp32] [--merge]``: the final model of a run
 (its newest checkpoint; the weight average when the run kept one, as its evaluation used) as files
 other programs load.
 
@@ -7,6 +7,9 @@ other programs load.
   ``save_pretrained`` does);
 - the built-in ``gpt``: ``model.safetensors`` and ``config.json`` holding ``GPTConfig``'s fields
   (``load_gpt(OUT_DIR)`` builds it back);
+- a LoRA run (``model.args.lora``): its adapters as peft saves them (``adapter_config.json``,
+  ``adapter_model.safetensors``); with ``--merge`` the base (model.args.pretrained) with the
+  adapters merged, a folder ``from_pretrained`` loads;
 - any other model: an error naming ``python -m distlib.checkpoint.sharded``, which writes its
   state dict as one file.
 
@@ -229,6 +232,51 @@ def _export_hf(cfg: Config, tensors: _Tensors, out_dir: str, dtype: torch.dtype,
             shutil.copyfile(os.path.join(saved, name), os.path.join(out_dir, name))
 
 
+def _export_lora(cfg: Config, tensors: _Tensors, out_dir: str, dtype: torch.dtype, run_dir: str, merge: bool) -> None:
+    """A LoRA run (model.args.lora): its adapters as peft saves them (``adapter_config.json``,
+    ``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, OUT_DIR)`` loads them on the base
+    folder); ``merge``: the base with the adapters merged into its weights, on this process's CPU (the
+    base read whole from model.args.pretrained, the adapters from the checkpoint), as a
+    ``save_pretrained`` folder ``AutoModelForCausalLM.from_pretrained`` loads. The checkpoint holds
+    every rank's part of each adapter (DCP's files, in every shard mode): they are read whole here."""
+    import shutil
+
+    import transformers
+
+    from distlib.runner.models import lora
+    from distlib.runner.models.hf_causal_lm import RUN_FILES
+
+    saved = os.path.join(run_dir, RUN_FILES)
+    base = cfg.model.args.get("pretrained") or ""
+    config_dir = saved if os.path.isfile(os.path.join(saved, "config.json")) else base
+    if not config_dir:
+        raise ExportError(f"the run has no {RUN_FILES}/config.json: the model's config is needed to write the adapters")
+    names = [k for k in tensors.keys if ".lora_A." in k or ".lora_B." in k]
+    if not names:
+        raise ExportError("the checkpoint holds no adapter (model.args.lora's lora_A / lora_B tensors)")
+    adapters = {k.removeprefix("hf."): tensors.tensor(k).to(dtype) for k in names}
+    hf_config = transformers.AutoConfig.from_pretrained(config_dir, local_files_only=True)
+    if not merge:
+        lora.save_adapters(hf_config, cfg.model.args["lora"], adapters, out_dir, base=os.path.abspath(base) if base
+                           else "")  # fmt: skip
+        return
+    if not base:
+        raise ExportError("--merge needs the base weights, and this run built its base from model.args.config "
+                          "(random weights, which no checkpoint holds: the base is frozen and rebuilt at each "
+                          "start); export the adapters alone (without --merge), or train from a pretrained "
+                          "folder")  # fmt: skip
+    if not os.path.isfile(os.path.join(base, "config.json")):
+        raise ExportError(f"--merge reads the base from model.args.pretrained, {base!r}, which has no config.json")
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, local_files_only=True)
+    merged = lora.merged_model(model, cfg.model.args["lora"], {k: v.float() for k, v in adapters.items()})
+    merged.to(dtype)
+    merged.config.use_cache = True
+    merged.save_pretrained(out_dir)
+    for name in sorted(os.listdir(saved)) if os.path.isdir(saved) else []:  # the tokenizer files the run kept
+        if name != "config.json" and not os.path.exists(os.path.join(out_dir, name)):
+            shutil.copyfile(os.path.join(saved, name), os.path.join(out_dir, name))
+
+
 def _export_gpt(cfg: Config, tensors: _Tensors, out_dir: str, dtype: torch.dtype) -> None:
     from distlib.runner.models.gpt import GPTConfig
 
@@ -259,15 +307,22 @@ def load_gpt(out_dir: str) -> torch.nn.Module:
     return model
 
 
-def export(run_dir: str, out_dir: str, dtype: str = "bf16") -> dict[str, Any]:
+def export(run_dir: str, out_dir: str, dtype: str = "bf16", merge: bool = False) -> dict[str, Any]:
     """Write the final model of the run in ``run_dir`` into ``out_dir`` (see the module's docstring).
-    Returns what it did: the checkpoint read, the files written, their bytes."""
+    A LoRA run: its adapters as peft saves them, or with ``merge`` the base with them merged
+    (``_export_lora``). Returns what it did: the checkpoint read, the files written, their bytes."""
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     cfg, tensors, source = _model_tensors(run_dir)
+    lora = cfg.model.name == "hf_causal_lm" and cfg.model.args.get("lora") is not None
+    if merge and not lora:
+        tensors.close()
+        raise ExportError("--merge: the run trained no adapters (model.args.lora): its export is the whole model")
     try:
         with disk.writing(out_dir, "the exported model's config"):  # model.safetensors says its own size
-            if cfg.model.name == "hf_causal_lm":
+            if lora:
+                _export_lora(cfg, tensors, out_dir, DTYPES[dtype], run_dir, merge)
+            elif cfg.model.name == "hf_causal_lm":
                 _export_hf(cfg, tensors, out_dir, DTYPES[dtype], run_dir)
             else:
                 _export_gpt(cfg, tensors, out_dir, DTYPES[dtype])
@@ -285,9 +340,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", help="the run's directory (its run.out_dir: config.yaml and checkpoints/)")
     p.add_argument("out_dir", help="the folder to write")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the written tensors")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: the base with the adapters merged (default: the adapters, as peft saves them)",
+    )
     args = p.parse_args(argv)
     try:
-        done = export(args.run_dir, args.out_dir, args.dtype)
+        done = export(args.run_dir, args.out_dir, args.dtype, merge=args.merge)
     except (DistlibError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

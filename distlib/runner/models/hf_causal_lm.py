@@ -139,6 +139,10 @@ def check_args(args: Mapping[str, Any]) -> list[str]:
                 )
     if hf_config is not None:
         problems.extend(_meta_build(hf_config, args.get("attn_implementation", "auto")))
+    if args.get("lora") is not None:
+        from distlib.runner.models import lora
+
+        problems.extend(lora.check(args["lora"]))
     return problems
 
 
@@ -201,9 +205,11 @@ def _skip_packing_detection_in_own_calls() -> None:
     torch.compile, CUDA-graph capture) it assumes packing and makes a (batch, 1, T, T) mask, which
     makes SDPA repeat the keys and values for every head (no grouped-query path) and keep the mask
     for backward: 160 MiB a layer at 8 x 2048 tokens of a Llama-3.2-1B shape, 2.5 GiB over its 16
-    layers in the memory plan. ``HFCausalLM`` passes ``input_ids`` only, so the model makes its own
-    positions 0..T-1 and a row is never packed: in its forwards the detection answers "not packed"
-    without looking. Installed once; a transformers without the function is left as it is."""
+    layers in the memory plan. ``HFCausalLM`` called with ``input_ids`` only lets the model make its
+    own positions 0..T-1, so a row is never packed: in those forwards the detection answers "not
+    packed" without looking. Called with ``position_ids`` (packed chat rows) the detection runs and
+    its mask isolates the documents. Installed once; a transformers without the function is left
+    as it is."""
     try:
         from transformers import masking_utils
     except ImportError:
@@ -220,14 +226,23 @@ def _skip_packing_detection_in_own_calls() -> None:
 
 
 class HFCausalLM(nn.Module):
-    """``logits = model(idx)``: a transformers causal LM (``self.hf``) called with ``input_ids``,
-    returning ``.logits``; idx (batch, time) token ids, logits (batch, time, vocab). A mixture of
+    """``logits = model(input_ids)``: a transformers causal LM (``self.hf``) called with ``input_ids``
+    (and ``position_ids`` when given: packed documents, docs/fine_tuning.md), returning ``.logits``;
+    input_ids (batch, time) token ids, logits (batch, time, vocab). A mixture of
     experts with a load-balancing loss returns ``(logits, aux_loss)`` in training (``forward``)."""
 
-    def __init__(self, hf: nn.Module, *, pretrained: str = ""):
+    def __init__(self, hf: nn.Module, *, pretrained: str = "", lora: Mapping[str, Any] | None = None):
         super().__init__()
         self.hf = hf
         self.pretrained = pretrained
+        # model.args.lora: peft's adapters injected (runner/models/lora.py), the rest frozen; they are
+        # initialised from the run's seed (torch.manual_seed's, before the build) by load_pretrained
+        self.lora = dict(lora) if lora is not None else None
+        self.adapter_seed = torch.initial_seed()
+        if self.lora is not None:
+            from distlib.runner.models import lora as adapters
+
+            adapters.inject(hf, self.lora)
         # transformers' list of the layers not to split over devices: its repeated blocks
         self.block_names = tuple(sorted(getattr(hf, "_no_split_modules", None) or ()))
         # a mixture of experts with a load-balancing loss: its weight in the training loss (the
@@ -238,18 +253,27 @@ class HFCausalLM(nn.Module):
         self.aux_loss_coef: float | None = float(coef) if coef else None
         _skip_packing_detection_in_own_calls()
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The logits; in training, a mixture of experts with a load-balancing loss returns
         ``(logits, aux_loss)``: the causal-LM task adds ``aux_loss_coef * aux_loss`` to its loss,
-        as transformers' ``.loss`` does, and reports ``aux_loss`` on its own."""
-        _OwnPositions.depth += 1  # the model makes positions 0..T-1 itself: no packed rows
+        as transformers' ``.loss`` does, and reports ``aux_loss`` on its own. ``position_ids``
+        (batch, time): given, transformers' packed-sequence detection runs (positions that restart
+        inside a row start a new document: sdpa, eager and flex attention get a block-causal mask,
+        no token attending to another document); without them, positions 0..T-1 and no detection."""
+        own = position_ids is None
+        if own:
+            _OwnPositions.depth += 1  # the model makes positions 0..T-1 itself: no packed rows
+        kwargs = {} if own else {"position_ids": position_ids}
         try:
             if self.aux_loss_coef is not None and self.training:
-                out = self.hf(input_ids=idx, use_cache=False, output_router_logits=True)
+                out = self.hf(input_ids=input_ids, use_cache=False, output_router_logits=True, **kwargs)
                 return out.logits, out.aux_loss
-            return self.hf(input_ids=idx, use_cache=False).logits
+            return self.hf(input_ids=input_ids, use_cache=False, **kwargs).logits
         finally:
-            _OwnPositions.depth -= 1
+            if own:
+                _OwnPositions.depth -= 1
 
     @property
     def config(self) -> Any:
@@ -281,12 +305,24 @@ class HFCausalLM(nn.Module):
         """The pretrained folder's weights into the parameters, where they are: whole, or this
         rank's shards once the model is fully sharded (each rank reading only their rows); the
         runner calls it once the model is built (and sharded). Returns the bytes this rank read;
-        0 for a model built from a config."""
-        if not self.pretrained:
-            return 0
-        from distlib.runner.hf.safetensors_folder import read_into
+        0 for a model built from a config. With LoRA the folder fills the base layers (read under
+        the names of the model without adapters), then the adapters are initialised
+        (``lora.init_adapters``: the same in every shard mode, from a config or a folder)."""
+        read = 0
+        if self.pretrained:
+            from distlib.runner.hf.safetensors_folder import read_into
 
-        return read_into(self.hf, self.pretrained)
+            if self.lora is None:
+                return read_into(self.hf, self.pretrained)
+            from distlib.runner.models import lora
+
+            with lora.base_names(self.hf) as base:
+                read = read_into(base, self.pretrained)
+        if self.lora is not None:
+            from distlib.runner.models import lora
+
+            lora.init_adapters(self.hf, self.adapter_seed)
+        return read
 
     def num_params(self, embeddings: bool = True) -> int:
         """Parameters, a tied matrix counted once; without ``embeddings``: less the input embedding
@@ -348,6 +384,7 @@ def hf_causal_lm(
     pretrained: str = "",
     attn_implementation: str = "auto",
     vocab_size: int | None = None,
+    lora: dict | None = None,
 ) -> HFCausalLM:
     """A transformers causal LM from ``config`` (``model_type`` and the config class's keys; the
     vocabulary the data's when it gives none), or from the local folder ``pretrained``
@@ -357,7 +394,8 @@ def hf_causal_lm(
     data's (given by the runner), checked against the model's. Built in fp32 (the runner's
     precision casts) in the current default device; a pretrained model uninitialised:
     ``load_pretrained()`` reads its weights (the runner calls it once the model is on its device,
-    and sharded)."""
+    and sharded). ``lora``: ``{r, alpha, dropout, target_modules}``, peft's LoRA adapters on the
+    model, the rest of it frozen (runner/models/lora.py)."""
     transformers = _transformers()
     if config is not None and pretrained:
         raise ConfigError([f"model.args: hf_causal_lm takes one of config or pretrained, not both: {BOTH}"])
@@ -385,7 +423,7 @@ def hf_causal_lm(
         attn = attention(hf_config, attn_implementation)
         hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation=attn)
     hf.tie_weights()  # skipped with the initialisation
-    return HFCausalLM(hf, pretrained=pretrained)
+    return HFCausalLM(hf, pretrained=pretrained, lora=lora)
 
 
 def _no_init_weights() -> contextlib.AbstractContextManager:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+import torch
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on conv and linear weights only: not on norm weights, biases or embeddings
@@ -19,4 +21,27 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["count_params", "param_groups"]
+def count_trainable(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@torch.no_grad()
+def cast_frozen(model: nn.Module, dtype: torch.dtype | None) -> int:
+    """The floating-point parameters that do not train (``requires_grad=False``: a LoRA model's base)
+    turned to ``dtype`` in place, new parameters under the same names (on the meta device too): a
+    frozen weight needs no fp32 master copy, the recipe's compute precision is all it is used in.
+    None (fp32 training, or bf16 on a CPU) leaves them. Returns the number of parameters cast."""
+    if dtype is None:
+        return 0
+    done: dict[int, nn.Parameter] = {}  # a tied parameter once, the same new one in each place
+    for m in model.modules():
+        for name, p in list(m._parameters.items()):
+            if p is None or p.requires_grad or not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if id(p) not in done:
+                done[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
+            m._parameters[name] = done[id(p)]
+    return len(done)
+
+
+__all__ = ["cast_frozen", "count_params", "count_trainable", "param_groups"]

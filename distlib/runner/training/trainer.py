@@ -39,7 +39,7 @@ from distlib.reliability.stop import StopSignal
 from distlib.reliability.watchdog import Watchdog
 from distlib.runner import components
 from distlib.runner.config import Config, ConfigError, dump_yaml
-from distlib.runner.models.parameters import count_params
+from distlib.runner.models.parameters import cast_frozen, count_params, count_trainable
 from distlib.runner.observability.environment import bytecode_hint, environment_json
 from distlib.runner.observability.metrics import Metrics, build_metrics
 from distlib.runner.observability.profiling import StepProfiler
@@ -48,6 +48,7 @@ from distlib.runner.observability.run_dir import RunDir
 from distlib.runner.observability.throughput import peak_memory_gib
 from distlib.runner.observability.timeline import Timeline
 from distlib.runner.tasks import Task, build_task
+from distlib.runner.training.batch import Inputs, to_device
 from distlib.runner.training.budget import Budget
 from distlib.runner.training.checkpoints import build_checkpoints
 from distlib.runner.training.compilation import load_compiler
@@ -97,6 +98,7 @@ class TrainState:
     elapsed_s: float = 0.0  # since the first step, evaluations and checkpoints included
     epoch_s: float = 0.0  # spent in epoch + 1 so far (non-zero only when stopped inside it)
     loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # this rank's, over epoch + 1 so far
+    trained_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # trained targets, every rank's, so far
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "step": self.step, "train_s": self.train_s, "elapsed_s": self.elapsed_s,
@@ -107,10 +109,12 @@ class TrainState:
         self.train_s, self.elapsed_s, self.epoch_s = state["train_s"], state["elapsed_s"], state["epoch_s"]
 
     def rank_state_dict(self) -> dict[str, Any]:
-        return {"loss_sum": self.loss_sum}
+        return {"loss_sum": self.loss_sum, "trained_sum": self.trained_sum}
 
     def load_rank_state_dict(self, state: dict[str, Any]) -> None:
         self.loss_sum = state["loss_sum"].to(self.loss_sum.device)
+        if "trained_sum" in state:  # a checkpoint written before it was kept: the row's fraction starts again
+            self.trained_sum = state["trained_sum"].to(self.loss_sum.device)
 
 
 class Trainer:
@@ -129,7 +133,9 @@ class Trainer:
         self.log = distlib.get_logger()
         if ctx.is_main and (hint := bytecode_hint()):
             self.log.warning(hint)
-        self.state = TrainState(loss_sum=torch.zeros((), device=ctx.device))  # where each step adds its loss
+        # where each step adds its loss, and its trained targets
+        self.state = TrainState(loss_sum=torch.zeros((), device=ctx.device),
+                                trained_sum=torch.zeros((), device=ctx.device))  # fmt: skip
         self.progress = TrainingProgress(cfg.run.progress, enabled=ctx.is_main)  # rank 0 only
         p = cfg.profile
         self.profiler = StepProfiler(os.path.join(cfg.run.out_dir, "profile"), ctx.rank, ctx.device,
@@ -183,8 +189,10 @@ class Trainer:
             save_files(self.run.path)  # what builds the model again (its config): the export needs no more
         self.run.write_text("environment.json", environment_json(ctx))  # a collective: every rank calls it
         self.log.info(
-            "%s (%s): %d params, %d train / %d evaluation samples, global batch %d over %d rank(s), %d steps/epoch",
-            cfg.model.name, self.task.name, count_params(model), self.task.train_size, self.task.eval_size,
+            "%s (%s): %d params (%d trained), %d train / %d evaluation samples, global batch %d over %d rank(s), "
+            "%d steps/epoch",
+            cfg.model.name, self.task.name, count_params(model), count_trainable(model), self.task.train_size,
+            self.task.eval_size,
             t.batch_size, ctx.world_size, len(self.loader),
         )  # fmt: skip
         self.log.info("budget: %s", self.budget.describe())
@@ -210,7 +218,8 @@ class Trainer:
         dist.shard=full ``shard_model`` then keeps this rank's shards (FSDP2 per entry of the
         model's ``blocks``, then the root; bf16 weights in the layers with train.precision=bf16 on
         a GPU, gradients reduced in fp32). With train.precision=fp8 the blocks' Linear layers are
-        float8 ones (runner/training/float8.py), converted before the sharding (``convert=``). A model with
+        float8 ones (runner/training/float8.py), converted before the sharding (``convert=``). Parameters
+        that do not train (a LoRA model's base) are kept in the compute dtype (``cast_frozen``). A model with
         ``load_pretrained()`` (hf_causal_lm from a folder) then reads its weights into its parameters
         where they are."""
         cfg, device = self.cfg, self.ctx.device
@@ -230,11 +239,13 @@ class Trainer:
             model = distlib.shard_model(build, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
                                         device=device, block_types=block_types, empty=empty, offload=cfg.dist.offload,
                                         reshard_after_forward=cfg.dist.reshard_after_forward,
-                                        convert=lambda m: convert_model(cfg, m, device))  # fmt: skip
+                                        convert=lambda m: (convert_model(cfg, m, device),
+                                                           cast_frozen(m, dtype)))  # fmt: skip
         else:
             with torch.device(device):  # where it runs: no copy on the host first
                 model = build().to(device)  # .to: a no-op, unless the model put a tensor on a device of its own
             convert_model(cfg, model, device)
+            cast_frozen(model, autocast_dtype(cfg.train.precision, device))  # a frozen base: no fp32 copy
             if cfg.model.channels_last:  # changes 4-D (convolution) weights only
                 model = model.to(memory_format=torch.channels_last)
         if callable(load := getattr(model, "load_pretrained", None)):
@@ -329,7 +340,9 @@ class Trainer:
         self.checkpoints.finish()  # the final checkpoint, written meanwhile: committed after the last row
         self.timeline.mark("checkpoint")  # what is left of its write after the evaluation and the sample
         if self._final_save_t0 is not None:
-            self.timeline.note(final_checkpoint_s=round(time.perf_counter() - self._final_save_t0, 3))
+            # and its phases (the copies to the host, the writes, the fsync, the commit: checkpoints.py)
+            self.timeline.note(final_checkpoint_s=round(time.perf_counter() - self._final_save_t0, 3),
+                               final_checkpoint_phases=self.checkpoints.phases)  # fmt: skip
         self.finished_rows = self.run.read_metrics()  # the summary is printed after the teardown
         self.metrics.training_done()  # curves.png appears shortly after the exit; trackers' runs finished
         self.timeline.mark("plot")
@@ -354,15 +367,17 @@ class Trainer:
             plan = every_mode(self.cfg, self.memory_plan) if self.memory_plan is not None else None
             raise out_of_memory(e, where=where, rank=self.ctx.rank, device=self.ctx.device, plan=plan) from None
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """One optimizer step (the EMA's update included), the schedule."""
+    def train_step(self, x: Inputs, y: torch.Tensor) -> None:
+        """One optimizer step (the EMA's update included), the schedule. ``x``: a tensor, or a mapping
+        of tensors (the model called with ``model(**x)``)."""
         device = self.ctx.device
         if self.ema is not None:
             self.ema.set_decay(ema_decay(self.cfg.train.ema, self.global_step))
         self._in_step = True
-        loss = self.step_fn(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        loss = self.step_fn(to_device(x, device), y.to(device, non_blocking=True))
         self._in_step = False
         self.state.loss_sum += loss
+        self.state.trained_sum += self.step_fn.trained
         self.state.step += 1
         self.scheduler.step()
         self.profiler.step()
@@ -375,7 +390,7 @@ class Trainer:
         s, device, budget = self.state, self.ctx.device, self.budget
         epoch = s.epoch + 1
         if s.step == 0:
-            s.epoch_s, s.loss_sum = 0.0, torch.zeros((), device=device)
+            s.epoch_s, s.loss_sum, s.trained_sum = 0.0, torch.zeros((), device=device), torch.zeros((), device=device)
         last = min(len(self.loader), budget.total_steps - s.epoch * len(self.loader))  # the budget may end it early
         t0 = time.perf_counter() - s.epoch_s
         # this epoch's order, however the last pass ended: cut short by the budget's islice, an
@@ -421,6 +436,7 @@ class Trainer:
         evaluates = budget.evaluates(step)
         logs = ends_epoch or evaluates
         train_loss = distlib.all_reduce(s.loss_sum.clone(), op="mean").item() / steps if logs else 0.0
+        trained_frac = s.trained_sum.item() / (steps * t.batch_size * self.task.per_sample) if logs else 1.0
         train_metrics = self.task.train_metrics() if logs else {}
         if ends_epoch:
             s.epoch, s.step, s.train_s, s.epoch_s = epoch, 0, s.train_s + s.epoch_s, 0.0
@@ -443,7 +459,7 @@ class Trainer:
                 "train_loss": round(train_loss, 5),  # the mean over this epoch's steps so far
                 **train_metrics,  # a mixture of experts' aux_loss: the mean since the last row
                 **results,
-                **self.task.rates(samples_per_s, self.model),
+                **self.task.rates(samples_per_s, self.model, trained_frac=trained_frac),
                 "samples_per_s": round(samples_per_s, 1),
                 "epoch_s": round(epoch_s, 3),
                 "train_s": round(s.train_s + s.epoch_s, 3),  # the final evaluation's included
@@ -522,7 +538,8 @@ class Trainer:
         from distlib.checkpoint.sharded import ShardedCheckpointer
 
         objects = {"model": self.model, **({"ema": self.ema} if self.ema is not None else {})}
-        ShardedCheckpointer(os.path.join(self.run.path, "weights"), keep=1).save(self.global_step, objects)
+        weights = ShardedCheckpointer(os.path.join(self.run.path, "weights"), keep=1, frozen=False)
+        weights.save(self.global_step, objects)
 
     # ---- teardown ------------------------------------------------------------------------
 

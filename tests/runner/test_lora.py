@@ -1,0 +1,225 @@
+"""model.args.lora: peft's LoRA adapters on a tiny Llama saved as a pretrained folder in a temporary
+directory. The first step's loss is the base model's (B starts at zero); every dist.shard mode trains
+the same adapters step by step at 2 and 3 gloo ranks; the frozen base is bit-unchanged and neither in
+the optimizer nor in the checkpoints; a resumed run ends as the uninterrupted one; the export is
+peft's (``PeftModel.from_pretrained`` on the base folder gives the run's validation loss) and
+``--merge``'s folder loads with ``from_pretrained`` and gives it too; the recipe's mistakes are
+ConfigErrors at load time. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+import distlib  # noqa: E402
+from distlib.runner.config import ConfigError, load_config  # noqa: E402
+from tests.conftest import run_ranks  # noqa: E402
+from tests.runner.conftest import checkpoints  # noqa: E402
+from tests.runner.test_hf_causal_lm import (  # noqa: E402
+    BATCH,
+    SHARDS,
+    FirstBatch,
+    _transformers_loss,
+    _val_loss,
+    folder,  # noqa: F401  (the fixture)
+    group_kept,
+    recipe,
+    whole,
+)
+from tests.runner.test_trainer import built, metrics  # noqa: E402
+
+# r not a power of two, alpha != r; every Linear of the blocks (all-linear) unless a test names a subset
+LORA = {"r": 3, "alpha": 5}
+SUBSET = {"r": 5, "alpha": 7, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
+def _lora_run(ctx, root: str, out: str, shard: str, lora: dict, steps: int = 3, overrides: tuple = ()) -> dict:
+    """This rank's first batch, step losses, whole weights before and after, the optimizer's
+    parameters' names, and the run's metrics rows (rank 0)."""
+    from pathlib import Path
+
+    args = {"pretrained": os.path.join(root, "tiny"), "lora": lora}
+    cfg = load_config(recipe(Path(root), out, args, steps=steps), [f"dist.shard={shard}", *overrides])
+    with group_kept(), built(cfg, ctx) as trainer:
+        before = whole(trainer.model)
+        names = {id(p): n for n, p in trainer.model.named_parameters()}
+        stepped = sorted(names.get(id(p), "?") for g in trainer.step_fn.optimizer.param_groups for p in g["params"])
+        trainer.step_fn = step = FirstBatch(trainer.step_fn)
+        assert trainer.fit() == 0
+        after = whole(trainer.model)
+        trainable = sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)
+    return {"batch": step.batch, "losses": step.losses, "before": before, "after": after, "trainable": trainable,
+            "stepped": stepped, "rows": metrics(out) if ctx.is_main else []}  # fmt: skip
+
+
+def _every_mode(ctx, root: str, out: str, lora: dict) -> dict:
+    return {shard: _lora_run(ctx, root, os.path.join(out, shard), shard, lora) for shard in SHARDS}
+
+
+def _adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def test_the_first_loss_is_the_base_models_and_only_the_adapters_train(folder, tmp_path, world_size_1):  # noqa: F811
+    """At one rank: the first step's loss is transformers' loss of the base folder on that batch (B
+    is zero: the adapters add nothing yet); the trainable parameters are exactly the adapters of the
+    targeted layers; the optimizer steps only them; after three steps every frozen weight is bit for
+    bit the folder's, every B moved, every A moved."""
+    root, saved = folder
+    r = _lora_run(distlib.init("gloo"), str(root), str(tmp_path / "run"), "none", SUBSET)
+    x, y = r["batch"]
+    assert r["losses"][0] == pytest.approx(_transformers_loss(root / "tiny", x, y), rel=1e-5)
+    assert r["trainable"] and all(_adapter(n) for n in r["trainable"])
+    targeted = {n.split(".")[-4] for n in r["trainable"]}
+    assert targeted == {"q_proj", "v_proj", "down_proj"}
+    assert len(r["trainable"]) == 2 * 3 * 2  # A and B, 3 targets, 2 layers
+    assert r["stepped"] == r["trainable"]
+    for k, v in saved.items():  # the base: the folder's weights before and after training
+        key = f"hf.{k}"
+        if key not in r["after"]:
+            key = key.replace(".weight", ".base_layer.weight")
+        assert torch.equal(r["before"][key], v) and torch.equal(r["after"][key], v), k
+    for key in r["trainable"]:
+        n = key
+        assert not torch.equal(r["before"][key], r["after"][key]), n
+        if ".lora_B." in n:
+            assert not r["before"][key].any(), n  # B starts at zero
+    a = r["before"]["hf.model.layers.0.self_attn.q_proj.lora_A.default.weight"]
+    assert a.shape == (5, 32) and a.abs().max() <= 1 / 32**0.5  # peft's Kaiming-uniform bound
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_shard_mode_trains_the_same_adapters_step_by_step(folder, tmp_path, world_size):  # noqa: F811
+    """At 2 and 3 ranks, dist.shard none, optimizer (ZeRO-1 over the adapters) and full (FSDP2 units
+    of frozen and trainable parameters): the same losses at every step and the same adapters after
+    (1e-5), the frozen base bit-unchanged in each."""
+    root, saved = folder
+    got = run_ranks(_every_mode, world_size, str(root), str(tmp_path), LORA, timeout=300)
+    for rank, results in enumerate(got):
+        ref = results["none"]
+        for shard in SHARDS:
+            r = results[shard]
+            assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6), (shard, rank)
+            for k, v in r["after"].items():
+                if _adapter(k):
+                    torch.testing.assert_close(v, ref["after"][k], rtol=1e-5, atol=1e-6, msg=f"{shard}: {k}")
+                else:
+                    assert torch.equal(v, r["before"][k]), (shard, k)
+            assert r["stepped"] == r["trainable"]
+        assert ref["losses"][-1] != ref["losses"][0]
+
+
+def _two_epochs(ctx, root: str, out: str, shard: str) -> list[dict]:
+    from pathlib import Path
+
+    args = {"pretrained": os.path.join(root, "tiny"), "lora": SUBSET}
+    cfg = load_config(recipe(Path(root), out, args, epochs=2), [f"dist.shard={shard}", "run.checkpoint_every=1"])
+    with built(cfg, ctx) as trainer:
+        assert trainer.fit() == 0
+    return metrics(out) if ctx.is_main else []
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "full"])
+def test_a_resumed_lora_run_ends_as_the_uninterrupted_one_and_its_checkpoints_hold_no_base(folder, tmp_path, shard):  # noqa: F811
+    """Two epochs at two ranks; the checkpoints hold the adapters and their optimizer state, not the
+    frozen base; the last one removed, the run again resumes after epoch 1 (the base read from the
+    folder again) and its rows equal the uninterrupted run's exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    root, _ = folder
+    out = str(tmp_path / "run")
+    ref = run_ranks(_two_epochs, 2, str(root), out, shard, timeout=300)[0]
+    saved = checkpoints(out)
+    assert len(saved) == 2
+    meta = dcp.FileSystemReader(os.path.join(out, "checkpoints", saved[-1])).read_metadata().state_dict_metadata
+    model_keys = [k for k in meta if k.startswith("model.")]
+    assert model_keys and all(_adapter(k) for k in model_keys), [k for k in model_keys if not _adapter(k)]
+    assert any(k.startswith("optimizer.state.") and _adapter(k) for k in meta)
+    assert not any(k.startswith("optimizer.state.") and not _adapter(k) for k in meta)
+    shutil.rmtree(os.path.join(out, "checkpoints", saved[-1]))
+    again = run_ranks(_two_epochs, 2, str(root), out, shard, timeout=300)[0]
+    keys = ("epoch", "train_loss", "val_loss")
+    assert [{k: r[k] for k in keys} for r in again] == [{k: r[k] for k in keys} for r in ref]
+
+
+def _trained(ctx, root: str, out: str, shard: str) -> list[dict]:
+    return _lora_run(ctx, root, out, shard, LORA)["rows"]
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "full"])
+def test_the_adapters_export_as_peft_saves_them_and_merged_as_a_transformers_folder(folder, tmp_path, shard):  # noqa: F811
+    """A LoRA run at two ranks (ZeRO-1 or FSDP2 shards of the adapters), exported in fp32: the folder
+    holds peft's two files under peft's own key names (those get_peft_model_state_dict gives), and
+    ``PeftModel.from_pretrained(base, folder)`` on the base folder gives the run's final validation
+    loss; ``--merge`` writes a folder AutoModelForCausalLM loads, with the same loss."""
+    from peft import PeftModel, get_peft_model, get_peft_model_state_dict
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from distlib.runner.hf.export import main
+    from distlib.runner.models.lora import lora_config
+
+    root, _ = folder
+    out = str(tmp_path / "run")
+    rows = run_ranks(_trained, 2, str(root), out, shard, timeout=300)[0]
+    assert main([out, str(tmp_path / "adapters"), "--dtype", "fp32"]) == 0
+    assert sorted(os.listdir(tmp_path / "adapters")) == ["README.md", "adapter_config.json",
+                                                         "adapter_model.safetensors"]  # fmt: skip
+    fresh = get_peft_model(AutoModelForCausalLM.from_pretrained(str(root / "tiny")), lora_config(LORA))
+    with safe_open(str(tmp_path / "adapters" / "adapter_model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(get_peft_model_state_dict(fresh))
+    base = AutoModelForCausalLM.from_pretrained(str(root / "tiny"), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(tmp_path / "adapters"))
+    assert _val_loss(model, root) == pytest.approx(rows[-1]["val_loss"], rel=1e-4)
+    assert _val_loss(AutoModelForCausalLM.from_pretrained(str(root / "tiny")), root) != pytest.approx(
+        rows[-1]["val_loss"], rel=1e-4
+    )
+
+    assert main([out, str(tmp_path / "merged"), "--dtype", "fp32", "--merge"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    assert not any(".lora_" in k or "base_layer" in k for k in merged.state_dict())
+    assert _val_loss(merged, root) == pytest.approx(rows[-1]["val_loss"], rel=1e-4)
+
+
+# ---- mistakes, at load time --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("lora", "words"),
+    [
+        ({"r": 0}, ["lora.r"]),
+        ({"rank": 4, "alpha": -1}, ["lora.rank: unknown key", "lora.alpha"]),
+        ({"dropout": 1.5, "target_modules": []}, ["lora.dropout", "lora.target_modules"]),
+    ],
+)
+def test_a_mistake_in_lora_is_a_config_error_at_load_time(folder, tmp_path, lora, words):  # noqa: F811
+    root, _ = folder
+    path = recipe(root, str(tmp_path / "r"), {"pretrained": str(root / "tiny"), "lora": lora})
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    text = "\n".join(e.value.problems)
+    for w in words:
+        assert w in text, text
+
+
+def test_without_peft_the_check_says_how_to_install_it(folder, tmp_path, monkeypatch):  # noqa: F811
+    import builtins
+
+    real = builtins.__import__
+
+    def without_peft(name, *args, **kwargs):
+        if name == "peft" or name.startswith("peft."):
+            raise ImportError("No module named 'peft'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_peft)
+    root, _ = folder
+    path = recipe(root, str(tmp_path / "r"), {"pretrained": str(root / "tiny"), "lora": LORA})
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert len(e.value.problems) == 1 and "pip install 'distlib[peft]'" in e.value.problems[0]
