@@ -243,9 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         cases = [c for c in cases if c[0] in args.models.split(",")]
     if args.case:
         cases = [(m, int(w), s, a, *map(int, b)) for m, w, s, a, *b in (c.split(":") for c in args.case)]
-    extra = tuple(args.set)
-    if args.edge:  # the plan as it counts, no margin: the margin is what this measures
-        extra = ("run.memory_margin_gib=0", "run.memory_margin_fraction=0", *extra)
+    # the plan as it counts, without the margin its verdict keeps (what --edge measures): a case runs unless
+    # its planned peak exceeds the device
+    extra = ("run.memory_margin_gib=0", "run.memory_margin_fraction=0", *args.set)
     compile_ = args.compile or args.edge
     gpu = device_bytes() if device.type == "cuda" else None
     rows: list[dict] = []
