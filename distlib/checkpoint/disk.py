@@ -21,7 +21,7 @@ import os
 import shutil
 from collections.abc import Iterator
 
-from distlib.checkpoint.checkpointer import CheckpointError
+from distlib.checkpoint.state import CheckpointError
 
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 # the text of each, as an error that carries only its message says it ("No space left on device", ...)

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from distlib.checkpoint import disk
-from distlib.runner.observability.metrics import MetricSink
+from distlib.runner.observability.sink import MetricSink
 
 
 class RunDir(MetricSink):

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from distlib.checkpoint import disk
-from distlib.runner.observability.metrics import MetricSink, scalars
+from distlib.runner.observability.sink import MetricSink, scalars
 
 
 class TensorBoardLog(MetricSink):
