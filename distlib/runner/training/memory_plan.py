@@ -116,6 +116,8 @@ class MemoryPlan:
     warm_up: bool  # the runner's warm-up steps (train.prewarm_steps on a GPU) run with a copy of the weights
     modes: dict[str, ModePlan] = field(default_factory=dict)
     gpu_bytes: int | None = None  # the device's memory; None: no fit asked
+    # kept free of gpu_bytes for what the plan does not count (run.memory_margin_gib, run.memory_margin_fraction)
+    margin: int = 0
 
     def peak(self, shard: str | None = None, checkpointing: str | None = None) -> int:
         """The run's peak (the recipe's mode by default): a step's, with on top the larger of what
@@ -127,7 +129,14 @@ class MemoryPlan:
         return step + max(mode.warm_up_copy if self.warm_up else 0, mode.staging if self.staging == "device" else 0)
 
     def fits(self, shard: str | None = None, checkpointing: str | None = None) -> bool | None:
-        return None if self.gpu_bytes is None else self.peak(shard, checkpointing) <= self.gpu_bytes
+        """Whether the peak, with the margin for what the plan does not count, is within the device's memory."""
+        return None if self.gpu_bytes is None else self.peak(shard, checkpointing) + self.margin <= self.gpu_bytes
+
+    def device(self) -> str:
+        """The device's memory, and the margin kept of it."""
+        assert self.gpu_bytes is not None
+        kept = f" less a {size(self.margin)} margin (run.memory_margin_gib, run.memory_margin_fraction)"
+        return f"the device's {size(self.gpu_bytes)}{kept if self.margin else ''}"
 
     def verdict(self) -> str:
         """One line: the recipe's peak per rank and, with a device size, whether it fits."""
@@ -137,11 +146,11 @@ class MemoryPlan:
         if self.gpu_bytes is None:
             return head
         if self.fits():
-            return f"{head}: fits the device's {size(self.gpu_bytes)}"
-        return f"{head}: does not fit the device's {size(self.gpu_bytes)}{self._advice()}"
+            return f"{head}: fits {self.device()}"
+        return f"{head}: does not fit {self.device()}{self.advice()}"
 
-    def _advice(self) -> str:
-        """What would fit instead, among the modes measured."""
+    def advice(self) -> str:
+        """What would fit instead, among the modes measured ("; ..."), or what to change when none does."""
         fitting = [(self.peak(s, c), s, c) for s, m in self.modes.items() for c in m.steps if self.fits(s, c)]
         if not fitting:
             return "; no dist.shard or checkpointing mode fits: more ranks, or a smaller train.batch_size"
@@ -174,7 +183,8 @@ class MemoryPlan:
         if self.gpu_bytes is not None:
             for c in CHECKPOINTING:
                 if all(c in m.steps for m in self.modes.values()):
-                    rows.append((f"fits {size(self.gpu_bytes)}, checkpointing {c}",
+                    fit = f"{size(self.gpu_bytes)} - {size(self.margin)}" if self.margin else size(self.gpu_bytes)
+                    rows.append((f"fits {fit}, checkpointing {c}",
                                  ["yes" if self.fits(s, c) else "no" for s in shards]))  # fmt: skip
             if any(m.largest_batch is not None for m in self.modes.values()):
                 rows.append(("largest batch per rank *", [str(m.largest_batch) if m.largest_batch is not None
@@ -197,6 +207,14 @@ class MemoryPlan:
             for shard, m in d["modes"].items()
         }
         return cls(**{**d, "modes": modes})
+
+
+def margin_bytes(cfg: Config, gpu_bytes: int | None) -> int:
+    """What a verdict keeps free of a device of ``gpu_bytes`` for what the plan does not count:
+    run.memory_margin_gib plus run.memory_margin_fraction of the device (0 without a device)."""
+    if gpu_bytes is None:
+        return 0
+    return int(cfg.run.memory_margin_gib * GIB + cfg.run.memory_margin_fraction * gpu_bytes)
 
 
 def size(n: int) -> str:
@@ -910,7 +928,8 @@ def plan(
     own = cfg.train.activation_checkpointing
     result = MemoryPlan(world_size=world_size, batch=batch, seq_len=spec.seq_len, precision=precision,
                         shard=cfg.dist.shard, checkpointing=own, staging=cfg.run.checkpoint_staging,
-                        warm_up=warm_up and cfg.train.prewarm_steps > 0, gpu_bytes=gpu_bytes)  # fmt: skip
+                        warm_up=warm_up and cfg.train.prewarm_steps > 0, gpu_bytes=gpu_bytes,
+                        margin=margin_bytes(cfg, gpu_bytes))  # fmt: skip
     # only FSDP2 needs a process group (a fake one; none and optimizer stand in for GradSync's)
     with fake_world(world_size) if "full" in shards else contextlib.nullcontext(), _meta_failures_unlogged():
         for shard in shards:
@@ -923,7 +942,8 @@ def plan(
                             warm_up_copy=parts["parameters"])  # fmt: skip
             result.modes[shard] = mode
             if batches and gpu_bytes is not None:
-                room = gpu_bytes - (result.peak(shard, own) - steps[own].peak)  # what runs beside the steps
+                # what runs beside the steps, and the margin
+                room = gpu_bytes - result.margin - (result.peak(shard, own) - steps[own].peak)
 
                 def peak_at(micro: int, shard: str = shard) -> int:
                     return step_memory(spec, shard=shard, world_size=world_size, batch=micro * spec.grad_accum,
@@ -989,22 +1009,23 @@ def device_bytes(index: int | None = None) -> int | None:
     return min(torch.cuda.get_device_properties(i).total_memory for i in indices)
 
 
-def check_before_launch(cfg: Config) -> None:
+def check_before_launch(cfg: Config) -> MemoryPlan | None:
     """A run's memory plan at its start, before the process group (``run.memory_plan``: on a GPU by
     default): the recipe's own mode at the
     launcher's world size (``WORLD_SIZE``), one line in rank 0's log. On a GPU, a step that cannot fit
     it raises MemoryRefused on every rank (each computes the same plan, so all stop alike); on a CPU
     the line is all. A recipe the plan does not measure, or a model that cannot run on fake tensors,
-    is said in that line and the run goes on."""
+    is said in that line and the run goes on. Returns the plan (its verdict "fits"), or None when none
+    was made: a step that runs out of memory all the same names it (runner/training/out_of_memory.py)."""
     if cfg.dist.mode == "fallback":  # one process drives every GPU of its node: not one rank per GPU
-        return
+        return None
     # a CPU run has no device memory to run out of, and the plan costs seconds of start-up (more under
     # dist.shard=full, planned in a process of its own): made on a GPU, or when asked for
     if cfg.run.memory_plan == "off" or (cfg.run.memory_plan == "auto" and not torch.cuda.is_available()):
-        return
+        return None
     gpus = torch.cuda.device_count() if cfg.dist.backend != "gloo" else 0
     if gpus and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > gpus:
-        return  # more processes than GPUs: the process group's start names that error, a plan would not
+        return None  # more processes than GPUs: the process group's start names that error, a plan would not
     log = distlib.get_logger()
     main = os.environ.get("RANK", "0") == "0"
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -1038,15 +1059,16 @@ def check_before_launch(cfg: Config) -> None:
     if outcome == "not planned":
         if main:
             log.info("memory plan: not made: %s", result.removeprefix("memory plan: "))
-        return
+        return None
     if outcome == "failed":  # a model that does not run on fake tensors: the run itself is not in question
         if main:
             log.warning("memory plan: not made: the step did not run on fake tensors (%s)", result)
-        return
+        return None
     if result.fits() is False:
         raise MemoryRefused(result.verdict())
     if main:
         log.info("%s%s", result.verdict(), " (the plan of an earlier run: plan_cache)" if source == "cache" else "")
+    return result
 
 
 def _plan_here(cfg: Config, world: int, gpu: int | None, on_gpu: bool, modes: dict[str, Any]) -> tuple[str, Any]:
