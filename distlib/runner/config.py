@@ -549,10 +549,10 @@ def _check_components(cfg: Config, problems: list[str]) -> None:
     if cfg.data.name == "token_file" and cfg.model.name == "gpt" and "vocab_size" not in cfg.model.args:
         problems.append("model.args.vocab_size: needed with data.name=token_file (the tokenizer's vocabulary size; "
                         "the gpt's default of 256 is byte_text's)")  # fmt: skip
-    if cfg.data.name == "chat":  # what packed documents need of the model (runner/tasks/chat.py)
-        from distlib.runner.tasks.chat import chat_problems
+    if cfg.data.name == "chat":  # what packed documents need of the model
+        from distlib.runner.data.chat_recipe import chat_problems
 
-        problems.extend(chat_problems(cfg))
+        problems.extend(chat_problems(cfg.data.args, cfg.model.name, cfg.model.args, cfg.dist.mode))
     hf_config = cfg.model.args.get("config")
     if cfg.data.name == "token_file" and cfg.model.name == "hf_causal_lm" and isinstance(hf_config, dict):
         if "vocab_size" not in hf_config:

@@ -223,17 +223,6 @@ def _room(module: str) -> str:
 _ALL = _all_modules()
 _ROOMS = {m for m, p in _ALL.items() if p.endswith("__init__.py")}
 
-# Arrows that still close a circle (between modules; between sub-packages), each to be turned around;
-# the test fails once one of them is gone from the code (then remove it here), and for any circle not listed.
-KNOWN_MODULES = {
-    # config's recipe check calls the chat data's check (an import inside a function), which reads the config
-    ("distlib.runner.config", "distlib.runner.tasks.chat"),
-}
-KNOWN_ROOMS = {
-    # tasks/causal_lm.py uses training/batch.py (torch only), while training/ builds on tasks/
-    ("distlib.runner.tasks", "distlib.runner.training"),
-}
-
 
 def test_distlib_has_no_import_circle_counting_every_import():
     """No module of distlib/ (the runner included) reaches itself through imports, counting those inside
@@ -241,10 +230,6 @@ def test_distlib_has_no_import_circle_counting_every_import():
     Nor do two sub-packages (the runner's hf/ and models/, ...) import each other."""
     graph = {m: _every_import(m, p, _ALL) for m, p in _ALL.items()}
     assert sum(map(len, graph.values())) > 200  # the scan found the imports
-    modules_known = KNOWN_MODULES
-    assert all(b in graph[a] for a, b in modules_known), "an arrow of KNOWN is gone: remove it from KNOWN_MODULES"
-    for a, b in modules_known:
-        graph[a].discard(b)
     circle = _circle(graph)
     assert circle is None, "import circle: " + " -> ".join(circle)
     rooms: dict[str, set[str]] = {}
@@ -256,10 +241,6 @@ def test_distlib_has_no_import_circle_counting_every_import():
         rooms.setdefault(_room(m), set()).update(
             r for i in imports if (r := _room(i)) != _room(m) and r not in ("distlib", "distlib.runner")
         )
-    rooms_known = KNOWN_ROOMS
-    assert all(b in rooms[a] for a, b in rooms_known), "an arrow of KNOWN is gone: remove it from KNOWN_ROOMS"
-    for a, b in rooms_known:
-        rooms[a].discard(b)
     circle = _circle(rooms)
     assert circle is None, "sub-package circle: " + " -> ".join(circle)
 

@@ -328,9 +328,10 @@ NON_NEGATIVE = {  # must be >= 0
     "run.checkpoint_every": int, "train.prewarm_steps": int, "train.tta_translate": int,
     "train.clip_grad_norm": float, "train.peak_tflops": float, "train.sample_tokens": int,
     "train.max_steps": int, "train.eval_every": int, "train.eval_every_steps": int, "run.checkpoint_every_steps": int,
+    "loss.chunks": int, "run.memory_margin_gib": float,
 }  # fmt: skip
 UNIT = ["train.warmup_frac", "train.ema", "train.label_smoothing", "train.momentum", "train.beta1", "train.beta2",
-        "train.min_lr_frac"]  # in [0, 1)  # fmt: skip
+        "train.min_lr_frac", "run.memory_margin_fraction"]  # in [0, 1)  # fmt: skip
 UNBOUNDED = {"train.seed": int}
 
 

@@ -29,10 +29,10 @@ from distlib.runner.data.text import IGNORED, TokenLoader, eval_windows
 from distlib.runner.observability.throughput import flops_per_token, gpus_per_process, mfu, peak_tflops
 from distlib.runner.observability.timeline import Timeline
 from distlib.runner.tasks import chat
+from distlib.runner.tasks.batch import call_model, to_device
 from distlib.runner.tasks.chunked_loss import chunked_cross_entropy
 from distlib.runner.tasks.losses import StepLoss, trained
 from distlib.runner.tasks.task import Task, dataset_loaders
-from distlib.runner.training.batch import call_model, to_device
 
 
 class CausalLMTask(Task):

@@ -1,12 +1,11 @@
 """The causal-LM task's side of ``data.name: chat`` (runner/data/chat.py): the data tokenized once
-per node before every rank reads it, the recipe checks that packing needs (attention that keeps
-documents apart), and the answer check: greedy answers of the model to held-out prompts, compared
-exactly with the expected ones."""
+per node before every rank reads it, the built model checked as the recipe check
+(runner/data/chat_recipe.py) checks its name, and the answer check: greedy answers of the model
+to held-out prompts, compared exactly with the expected ones."""
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Any
 
 import torch
@@ -18,50 +17,8 @@ from distlib.reliability.failures import shared_errors
 from distlib.runner import components
 from distlib.runner.config import Config, ConfigError
 from distlib.runner.data.chat import ChatSet
+from distlib.runner.data.chat_recipe import takes_positions
 from distlib.runner.data.errors import DataError
-
-# transformers' attention implementations whose masks keep packed documents apart in a batch of
-# several rows (the packed-sequence mask from position_ids); flash attention's varlen path does it
-# only for a batch of one row
-ISOLATING = ("auto", "sdpa", "eager", "flex_attention")
-
-
-def chat_problems(cfg: Config) -> list[str]:
-    """What a recipe with ``data.name: chat`` cannot run with, found before any rank starts."""
-    problems = []
-    packing = cfg.data.args.get("packing", True)
-    model = cfg.model.name
-    if cfg.dist.mode == "fallback":
-        problems.append("data.name=chat with dist.mode=fallback: the fallback mode's replicas take tensor batches; "
-                        "use dist.mode=process_per_gpu")  # fmt: skip
-    if model == "hf_causal_lm":
-        attn = cfg.model.args.get("attn_implementation", "auto")
-        if packing and attn not in ISOLATING:
-            problems.append(f"model.args.attn_implementation={attn} with data.args.packing=true: transformers cannot "
-                            "keep packed documents apart in attention with it (a batch of several rows); use "
-                            "sdpa, eager or flex_attention, or set data.args.packing=false")  # fmt: skip
-        if not cfg.data.args.get("tokenizer") and not cfg.model.args.get("pretrained"):
-            problems.append("data.args.tokenizer: needed (a tokenizer folder) when model.args.pretrained gives none")
-    elif model in ("gpt", "resnet18_cifar", "small_cnn"):
-        problems.append(f"data.name=chat with model.name={model}: chat batches call the model with input_ids and "
-                        "position_ids (each document's positions); use model.name=hf_causal_lm")  # fmt: skip
-    else:
-        with contextlib.suppress(ValueError):
-            fn = components.resolve("model", model)
-            cls = fn if inspect.isclass(fn) else inspect.signature(fn).return_annotation
-            if inspect.isclass(cls) and issubclass(cls, nn.Module) and not takes_positions(cls.forward):
-                problems.append(f"data.name=chat with model.name={model}: its forward takes no input_ids and "
-                                "position_ids, so packed documents would attend to each other; give it those "
-                                "arguments, or use model.name=hf_causal_lm")  # fmt: skip
-    return problems
-
-
-def takes_positions(forward: Any) -> bool:
-    try:
-        params = inspect.signature(forward).parameters
-    except (TypeError, ValueError):
-        return True  # cannot tell: the first batch will
-    return "position_ids" in params and "input_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def check_model(model: nn.Module, name: str) -> None:
@@ -131,4 +88,4 @@ def answer_accuracy(model: nn.Module, data: ChatSet, ctx: Context, autocast: con
     return correct.item() / len(answers)
 
 
-__all__ = ["ISOLATING", "answer_accuracy", "chat_problems", "check_model", "open_chat"]
+__all__ = ["answer_accuracy", "check_model", "open_chat"]

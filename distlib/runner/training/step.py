@@ -38,8 +38,8 @@ import distlib
 from distlib.distributed.process_group import Context, EnvError
 from distlib.parallel.comm_fallback import Replicas, node_devices
 from distlib.runner.config import Config, ConfigError
+from distlib.runner.tasks.batch import Inputs, call_model, flatten, micro_batch, unflatten
 from distlib.runner.tasks.losses import LossFn, StepLoss, cross_entropy, trained
-from distlib.runner.training.batch import Inputs, call_model, flatten, micro_batch, unflatten
 from distlib.runner.training.compilation import apply_block_settings, compiled_loss
 from distlib.runner.training.float8 import scale_refresh
 from distlib.runner.training.optimizer_step import OptimizerSpec, OptimizerStep, autocast_dtype

@@ -48,7 +48,7 @@ from distlib.runner.observability.run_dir import RunDir
 from distlib.runner.observability.throughput import peak_memory_gib
 from distlib.runner.observability.timeline import Timeline
 from distlib.runner.tasks import Task, build_task
-from distlib.runner.training.batch import Inputs, to_device
+from distlib.runner.tasks.batch import Inputs, to_device
 from distlib.runner.training.budget import Budget
 from distlib.runner.training.checkpoints import build_checkpoints
 from distlib.runner.training.compilation import load_compiler
