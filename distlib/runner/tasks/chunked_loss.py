@@ -71,8 +71,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grads:
                 g = g.to(h.dtype)
                 grad_h[start : start + hc.shape[0]] = g @ weight
-                if grad_w is not None:
-                    grad_w.addmm_(g.t(), hc)  # fp32 accumulation over the chunks
+                if grad_w is not None:  # fp32 accumulation over the chunks
+                    if hc.dtype == grad_w.dtype:
+                        grad_w.addmm_(g.t(), hc)
+                    else:  # bf16 operands: the product in their dtype (as the plain loss's), summed in fp32
+                        grad_w += (g.t() @ hc).float()
             start += hc.shape[0]
         if grads:
             ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
