@@ -259,7 +259,8 @@ def _export_lora(cfg: Config, tensors: _Tensors, out_dir: str, dtype: torch.dtyp
     if not base:
         raise ExportError("--merge needs the base weights, and this run built its base from model.args.config "
                           "(random weights, which no checkpoint holds: the base is frozen and rebuilt at each "
-                          "start); export the adapters alone (without --merge), or train from a pretrained folder")  # fmt: skip
+                          "start); export the adapters alone (without --merge), or train from a pretrained "
+                          "folder")  # fmt: skip
     if not os.path.isfile(os.path.join(base, "config.json")):
         raise ExportError(f"--merge reads the base from model.args.pretrained, {base!r}, which has no config.json")
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, local_files_only=True)
@@ -334,8 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", help="the run's directory (its run.out_dir: config.yaml and checkpoints/)")
     p.add_argument("out_dir", help="the folder to write")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the written tensors")
-    p.add_argument("--merge", action="store_true",
-                   help="a LoRA run: the base with the adapters merged (default: the adapters, as peft saves them)")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: the base with the adapters merged (default: the adapters, as peft saves them)",
+    )
     args = p.parse_args(argv)
     try:
         done = export(args.run_dir, args.out_dir, args.dtype, merge=args.merge)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 import torch
+from torch import nn
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

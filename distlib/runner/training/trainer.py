@@ -173,7 +173,8 @@ class Trainer:
             save_files(self.run.path)  # what builds the model again (its config): the export needs no more
         self.run.write_text("environment.json", environment_json(ctx))  # a collective: every rank calls it
         self.log.info(
-            "%s (%s): %d params (%d trained), %d train / %d evaluation samples, global batch %d over %d rank(s), %d steps/epoch",
+            "%s (%s): %d params (%d trained), %d train / %d evaluation samples, global batch %d over %d rank(s), "
+            "%d steps/epoch",
             cfg.model.name, self.task.name, count_params(model), count_trainable(model), self.task.train_size,
             self.task.eval_size,
             t.batch_size, ctx.world_size, len(self.loader),
@@ -221,13 +222,14 @@ class Trainer:
             model = distlib.shard_model(build, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
                                         device=device, block_types=block_types, empty=empty, offload=cfg.dist.offload,
                                         reshard_after_forward=cfg.dist.reshard_after_forward,
-                                        convert=lambda m: (convert_model(cfg, m, device),
-                                                           cast_frozen(m, dtype)))  # fmt: skip
+                                        convert=lambda m: (cast_frozen(m, dtype),
+                                                           convert_model(cfg, m, device)))  # fmt: skip
         else:
             with torch.device(device):  # where it runs: no copy on the host first
                 model = build().to(device)  # .to: a no-op, unless the model put a tensor on a device of its own
+            # a frozen base (LoRA's) in the compute dtype, no fp32 copy; before float8 wraps its weights
+            cast_frozen(model, autocast_dtype(cfg.train.precision, device))
             convert_model(cfg, model, device)
-            cast_frozen(model, autocast_dtype(cfg.train.precision, device))  # a frozen base: no fp32 copy
             if cfg.model.channels_last:  # changes 4-D (convolution) weights only
                 model = model.to(memory_format=torch.channels_last)
         if callable(load := getattr(model, "load_pretrained", None)):
@@ -492,7 +494,9 @@ class Trainer:
         from distlib.checkpoint.sharded import ShardedCheckpointer
 
         objects = {"model": self.model, **({"ema": self.ema} if self.ema is not None else {})}
-        ShardedCheckpointer(os.path.join(self.run.path, "weights"), keep=1, frozen=False).save(self.global_step, objects)
+        # frozen=False: as the run's checkpoints, the frozen base (LoRA's) is not the run's to save
+        weights = ShardedCheckpointer(os.path.join(self.run.path, "weights"), keep=1, frozen=False)
+        weights.save(self.global_step, objects)
 
     # ---- teardown ------------------------------------------------------------------------
 

@@ -17,8 +17,10 @@ from torch import nn
 
 @torch.no_grad()
 def _snapshot(modules: list[nn.Module]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every tensor a step may change: the trained parameters and the buffers (a frozen parameter,
+    a LoRA model's base, is not copied: no step changes it)."""
     tensors = itertools.chain.from_iterable(itertools.chain(m.parameters(), m.buffers()) for m in modules)
-    return [(t, t.detach().clone()) for t in tensors]
+    return [(t, t.detach().clone()) for t in tensors if not isinstance(t, nn.Parameter) or t.requires_grad]
 
 
 def warm_up(step: Callable[[], object], modules: list[nn.Module], optimizer: torch.optim.Optimizer, steps: int) -> None:
