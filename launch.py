@@ -1,80 +1,11 @@
-"""Train a recipe: ``torchrun --nproc-per-node=N launch.py RECIPE.yaml [a.b=value ...]`` (or ``python launch.py``).
+"""Train a recipe from a checkout: ``torchrun --nproc-per-node=N launch.py RECIPE.yaml [a.b=value ...]``
+(or ``python launch.py``); the installed command is ``distlib-train`` / ``python -m distlib.runner``.
 Exits 0 done, 2 bad input (``error: ...``), 1 a collective failed or a bug, 130/143 stopped by SIGINT/SIGTERM.
 """
 
-from __future__ import annotations
-
-import argparse
-import os
-import signal
-import sys
-
-
-def _stopped_while_importing(signum: int, frame: object) -> None:
-    """A stop signal during the imports (seconds of torch's): nothing to save or tear down yet; one line and
-    128 + the signal, as later in the start (an import cut by KeyboardInterrupt would print a traceback,
-    and SIGTERM's default action would end the process without a word)."""
-    name = "" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"
-    print(f"error: interrupted{name}", file=sys.stderr, flush=True)
-    os._exit(128 + signum)
-
-
-if __name__ == "__main__":  # not when a test imports main(): its process keeps its own handlers
-    for _s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(_s, _stopped_while_importing)  # main() replaces them (stop.catch)
-
-import distlib  # noqa: E402
-from distlib.reliability import stop  # noqa: E402
-from distlib.runner.config import load_config  # noqa: E402
-from distlib.runner.observability.throughput import gpus_per_process  # noqa: E402
-from distlib.runner.observability.timeline import Timeline  # noqa: E402
-from distlib.runner.training.memory_plan import MemoryRefused, check_before_launch  # noqa: E402
-from distlib.runner.training.outcome import exit_code, fast_exit  # noqa: E402
-from distlib.runner.training.trainer import Trainer  # noqa: E402
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recipe", help="YAML recipe (only what differs from the defaults)")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.epochs=5")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str], timeline: Timeline | None = None) -> int:
-    timeline = timeline or Timeline()  # it starts at the process start (the OS's): the imports count
-    timeline.mark("imports")
-    args = parse_args(argv)
-    # SIGTERM/SIGINT: until training starts the first one interrupts (nothing to save yet), then the
-    # trainer's StopSignal stops every rank at one step with a checkpoint; repeats are ignored throughout
-    stop.catch(interrupt=True)
-    cfg = trainer = failure = None
-    try:
-        cfg = load_config(args.recipe, args.overrides)
-        timeline.mark("config")
-        check_before_launch(cfg)  # before anything is allocated: a step that cannot fit the GPU stops here
-        timeline.mark("memory_plan")
-        gpus = gpus_per_process(cfg.dist.mode)
-        trainer = Trainer(cfg, distlib.init(cfg.dist.backend, cfg.dist.timeout_s, gpus_per_process=gpus), timeline)
-        trainer.build()
-        code = trainer.fit()
-    except BaseException as e:
-        # before the teardown (may exit); cfg None: the recipe is wrong, the same on every rank (as a
-        # refused memory plan: every rank computed the same)
-        before_start = cfg is None or isinstance(e, MemoryRefused)
-        failure, code = e, exit_code(e, cfg.dist.timeout_s if cfg else 0.0, before_start=before_start)
-        if code is None:
-            raise
-    finally:
-        if trainer is not None:
-            trainer.close(failure)
-        else:
-            distlib.shutdown(barrier=False)
-        signum = stop.received()
-        stop.release()
-    if code == 0 and signum:  # a stop signal during the teardown, once the run had ended: said by its code
-        code = 128 + signum
-    return code
-
+from distlib.runner.cli import run
 
 if __name__ == "__main__":
-    fast_exit(main(sys.argv[1:]))
+    run()  # its stop handlers first, then the imports of the run
+
+from distlib.runner.main import main, parse_args  # noqa: E402, F401  (tests call launch.main)

@@ -3,12 +3,15 @@ final evaluation waits for), with the model replicated or under FSDP2, one proce
 
     python -m bench.save_call --shard full --size 1.5B      # on a GPU; also --shard none
     python -m bench.save_call --shard full --size tiny      # anywhere (gloo on the CPU)
+    python -m bench.save_call --shard none --size 124M      # 1.4 GiB of state, on a CPU too
 
 The GPT (1.5B: 48 x 1600, vocabulary 50304; tiny: 48 x 64, vocabulary 256: as many tensors) takes
 one AdamW step, then ``ShardedCheckpointer.save(..., async_=True, in_place=True)`` runs twice into a
 temporary directory (``--dir``, deleted after). Per save: the call (until it returns), the whole save
 (until committed), and the time inside the save's steps (the state dicts, the fingerprint, the
-layout, the host copy, the staging), each timed to the end of its GPU work.
+layout, the host copy, the staging), each timed to the end of its GPU work; then the phases of the
+whole save that the runner reports (``ShardedCheckpointer.phases``): the copies to the host, DCP's
+writes, the files' fsync, the wait for the write, the commit.
 """
 
 from __future__ import annotations
@@ -30,8 +33,11 @@ from distlib.runner.models.gpt import GPT, GPTConfig
 
 SIZES = {
     "1.5B": GPTConfig(vocab_size=50304, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
+    "124M": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
     "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=48, n_head=2, n_embd=64),
 }
+# ShardedCheckpointer.phases: where the whole save's time went, as the runner's summary.json reports it
+PHASES = ["to_host_s", "write_s", "fsync_s", "waited_s", "commit_s"]
 PARTS = ["_state_dicts", "get_model_state_dict", "get_optimizer_state_dict", "model_fingerprint", "_layout",
          "_host_copy", "_stage_into"]  # fmt: skip
 
@@ -91,7 +97,9 @@ def run(shard: str, size: str, directory: str = "", saves: int = 2) -> list[dict
             ck.save(i + 1, {"model": model, "optimizer": opt}, async_=True, in_place=True)
             call = time.perf_counter() - t
             ck.wait()
-            rows.append({"save": i + 1, "call_s": call, "total_s": time.perf_counter() - t, **times})
+            total = time.perf_counter() - t
+            rows.append({"save": i + 1, "call_s": call, "total_s": total, **times,
+                         **{k: v for k, v in ck.phases.items() if k in PHASES}})  # fmt: skip
         ck.close()
     finally:
         shutil.rmtree(path, ignore_errors=True)
@@ -105,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default="", help="where the checkpoints go (default: a temporary directory)")
     args = p.parse_args(argv)
     rows = run(args.shard, args.size, args.dir)
-    names = ["call_s", "total_s", *PARTS, "_stage"]
+    names = ["call_s", "total_s", *PARTS, "_stage", *PHASES]
     print(f"in-place asynchronous save, shard={args.shard}, {args.size} GPT, seconds")
     print("| save | " + " | ".join(n.strip("_") for n in names) + " |")
     print("|---" * (len(names) + 1) + "|")

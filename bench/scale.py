@@ -220,6 +220,11 @@ def runner_row(args: argparse.Namespace, shard: str, cache: str, data: str, base
         mfu=last.get("mfu"),
         peak_mem_gib=max(peak) if isinstance(peak, list) else peak,
         final_save_s=summary.get("final_checkpoint_s"),  # from the save's start to its commit
+        # where it went (rank 0): the copies to the host, DCP's writes, the fsync, the commit
+        save_phases=summary.get("final_checkpoint_phases"),
+        imports_s=stages.get("imports"),
+        memory_plan_s=stages.get("memory_plan"),
+        config_s=stages.get("config"),
         save_wait_s=stages.get("checkpoint"),  # what is left of it after the final evaluation
         train_s=summary.get("train_s"),  # the steps
         eval_s=summary.get("eval_s"),  # every evaluation, the final one's included
@@ -399,17 +404,22 @@ def table(rows: list[dict]) -> str:
         if not runner:
             continue
         out += [*([""] if out else []), f"{part}:",
-                "| shard | cache | model s | warm-up s | to 1st step s | tokens/s | MFU | peak GiB | final save s "
-                "(left after the evaluation) | steps s | evaluation s | whole command s | beyond those s |",
-                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+                "| shard | cache | imports s | memory plan s | model s | warm-up s | to 1st step s | tokens/s | MFU | "
+                "peak GiB | final save s (left after the evaluation) | of it: to host / write / fsync / commit s | "
+                "steps s | evaluation s | whole command s | beyond those s |",
+                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]  # fmt: skip
         for r in runner:
             if r.get("rc"):
-                out.append(f"| {r['mode']} | {r['cache']} | failed: {r.get('note', '')} |||||||||||")
+                out.append(f"| {r['mode']} | {r['cache']} | failed: {r.get('note', '')} ||||||||||||||")
                 continue
             mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "—"
-            out.append(f"| {r['mode']} | {r['cache']} | {_f(r.get('model_s'), 2)} | {_f(r.get('warmup_s'))} | "
+            phases = r.get("save_phases") or {}
+            split = " / ".join(_f(phases.get(k)) for k in ("to_host_s", "write_s", "fsync_s", "commit_s"))
+            out.append(f"| {r['mode']} | {r['cache']} | {_f(r.get('imports_s'))} | {_f(r.get('memory_plan_s'))} | "
+                       f"{_f(r.get('model_s'), 2)} | {_f(r.get('warmup_s'))} | "
                        f"{_f(r.get('to_first_step_s'))} | {_f(r.get('tokens_per_s'), 0)} | {mfu} | "
                        f"{_f(r.get('peak_mem_gib'))} | {_f(r.get('final_save_s'))} ({_f(r.get('save_wait_s'))}) | "
+                       f"{split} | "
                        f"{_f(r.get('train_s'))} | {_f(r.get('eval_s'))} | {_f(r.get('command_s'))} | "
                        f"{_f(r.get('beyond_s'))} |")  # fmt: skip
     if anchors:

@@ -1,5 +1,5 @@
 # Docker targets, included by the Makefile. Variables can be set on the command line:
-#   make docker-run DOCKER_RUN_ARGS='-v /data/cifar10:/app/data/cifar10:ro' DOCKER_CMD='torchrun launch.py recipes/cifar.yaml'
+#   make docker-run DOCKER_RUN_ARGS='-v /data/cifar10:/app/data/cifar10:ro' DOCKER_CMD='torchrun -m distlib.runner recipes/cifar.yaml'
 DOCKER ?= docker
 DOCKER_IMAGE ?= distlib
 DOCKER_BUILD_ARGS ?=

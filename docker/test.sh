@@ -141,9 +141,9 @@ say "image: user=$user cmd=$cmd; $(in_image python -c 'import os, pwd, torch, to
 [ "$user" = distlib ] || die "the image should run as the non-root user distlib, not '$user'"
 case "$cmd" in *torchrun*) ;; *) die "the default command should run torchrun, got $cmd" ;; esac
 
-say "training the demo in the image: torchrun --standalone --nproc-per-node=2 launch.py recipes/demo.yaml train.epochs=$EPOCHS"
+say "training the demo in the image: torchrun --standalone --nproc-per-node=2 -m distlib.runner recipes/demo.yaml train.epochs=$EPOCHS"
 t_run=$SECONDS
-in_image torchrun --standalone --nproc-per-node=2 launch.py recipes/demo.yaml \
+in_image torchrun --standalone --nproc-per-node=2 -m distlib.runner recipes/demo.yaml \
     "train.epochs=$EPOCHS" run.out_dir=runs/docker-test || die "the demo failed inside the image"
 say "trained in $((SECONDS - t_run)) s; checking runs/docker-test/metrics.jsonl"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.cuda.comm  # noqa: F401  (a submodule: torch.cuda does not import it on every version)
@@ -53,6 +53,14 @@ def _reduce_add(tensors: list[torch.Tensor]) -> torch.Tensor:
     for t in tensors[1:]:
         out.add_(t)
     return out
+
+
+def _rows(x: torch.Tensor | Mapping[str, torch.Tensor]) -> int:
+    return next(iter(x.values())).shape[0] if isinstance(x, Mapping) else x.shape[0]
+
+
+def _slice(x: torch.Tensor | Mapping[str, torch.Tensor], sl: slice) -> torch.Tensor | Mapping[str, torch.Tensor]:
+    return {k: v[sl] for k, v in x.items()} if isinstance(x, Mapping) else x[sl]
 
 
 def _device_guard(device: torch.device) -> contextlib.AbstractContextManager:
@@ -292,18 +300,19 @@ class Replicas:
     def _forward(self, i: int, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, dtype, cache=True) -> torch.Tensor:
         d = self.devices[i]
         with _device_guard(d), _autocast(d, dtype, cache):
-            loss = loss_fn(self.models[i](x), y)
+            out = self.models[i](**x) if isinstance(x, Mapping) else self.models[i](x)
+            loss = loss_fn(out, y)
         if loss.dim() != 0:
             raise ValueError(f"loss_fn must return a scalar (the mean over the shard), got shape {tuple(loss.shape)}")
         return loss
 
     def _forward_backward_eager(self, xs, ys, loss_fn, dtype, grad_accum) -> list[torch.Tensor]:
-        m = xs[0].shape[0] // grad_accum
+        m = _rows(xs[0]) // grad_accum
         totals: list[torch.Tensor] = []
         for k in range(grad_accum):
             sl = slice(k * m, (k + 1) * m)
             # One thread issues every replica's forward; each GPU starts as soon as its launches arrive.
-            losses = [self._forward(i, xs[i][sl], ys[i][sl], loss_fn, dtype) for i in range(self.num_devices)]
+            losses = [self._forward(i, _slice(xs[i], sl), ys[i][sl], loss_fn, dtype) for i in range(self.num_devices)]
             # One backward call: autograd runs each GPU's part on that GPU's own worker thread, concurrently.
             torch.autograd.backward([loss / grad_accum for loss in losses] if grad_accum > 1 else losses)
             if grad_accum == 1:
@@ -344,6 +353,11 @@ class Replicas:
         self._zero_grads()
 
     def _forward_backward_graph(self, xs, ys, loss_fn, dtype, grad_accum) -> list[torch.Tensor]:
+        if isinstance(xs[0], Mapping):  # inputs by name (a chat batch): run eagerly
+            if not self._warned_shape:
+                get_logger().warning("Replicas: a batch of named inputs runs eagerly (no CUDA graph)")
+                self._warned_shape = True
+            return self._forward_backward_eager(xs, ys, loss_fn, dtype, grad_accum)
         key = (tuple(xs[0].shape), xs[0].stride(), xs[0].dtype, tuple(ys[0].shape), ys[0].dtype, dtype, grad_accum)
         if self._graphs is None:
             self._capture(xs, ys, loss_fn, dtype, grad_accum)
@@ -370,7 +384,7 @@ class Replicas:
 
     def forward_backward(
         self,
-        xs: Sequence[torch.Tensor],
+        xs: Sequence[torch.Tensor | Mapping[str, torch.Tensor]],
         ys: Sequence[torch.Tensor],
         loss_fn: LossFn,
         *,
@@ -385,7 +399,7 @@ class Replicas:
 
     def train_step(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Mapping[str, torch.Tensor],
         y: torch.Tensor,
         loss_fn: LossFn,
         *,
@@ -397,21 +411,28 @@ class Replicas:
         ``optimizer.step()`` on the root.
 
         ``x``, ``y``: the node's batch (any device; split evenly over the GPUs, each shard
-        into ``grad_accum`` micro-batches). ``loss_fn(output, target)`` returns the mean
-        loss of a shard. The root's parameters reach the replicas at the start of each
-        step, so the optimizer may change them in between. Returns the mean loss over this
-        node's GPUs (0-dim, on the root). A collective over nodes: every node process must
-        call it, in the same order.
+        into ``grad_accum`` micro-batches); ``x`` a tensor, or a mapping of tensors (each value
+        split alike, the model called as ``model(**x)``; no CUDA graph then).
+        ``loss_fn(output, target)`` returns the mean loss of a shard. The root's parameters
+        reach the replicas at the start of each step, so the optimizer may change them in
+        between. Returns the mean loss over this node's GPUs (0-dim, on the root). A
+        collective over nodes: every node process must call it, in the same order.
         """
-        self.check_batch(x.shape[0], grad_accum)
-        if y.shape[0] != x.shape[0]:
-            raise ValueError(f"inputs and targets differ in batch size: {x.shape[0]} vs {y.shape[0]}")
+        rows = _rows(x)
+        self.check_batch(rows, grad_accum)
+        if y.shape[0] != rows:
+            raise ValueError(f"inputs and targets differ in batch size: {rows} vs {y.shape[0]}")
         self._attach_grads()
         for m in self.models[1:]:
             if m.training != self.root.training:
                 m.train(self.root.training)
         self.broadcast_parameters()
-        xs, ys = self.scatter(x), self.scatter(y)
+        if isinstance(x, Mapping):  # inputs by name: each value split, each replica called with model(**x)
+            parts = {k: self.scatter(v) for k, v in x.items()}
+            xs = [{k: p[i] for k, p in parts.items()} for i in range(self.num_devices)]
+        else:
+            xs = self.scatter(x)
+        ys = self.scatter(y)
         self._zero_grads()
         losses = self.forward_backward(xs, ys, loss_fn, autocast_dtype=autocast_dtype, grad_accum=grad_accum)
         self.reduce_gradients()

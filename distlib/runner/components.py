@@ -29,6 +29,7 @@ REGISTRY: dict[str, dict[str, str]] = {
         "image_folder": "distlib.runner.data.images:load_image_set",
         "byte_text": "distlib.runner.data.text:load_byte_text",
         "token_file": "distlib.runner.data.token_files:load_token_file",
+        "chat": "distlib.runner.data.chat:load_chat",
     },
     "loss": {
         "cross_entropy": "distlib.runner.tasks.losses:cross_entropy",

@@ -32,9 +32,9 @@ class AugmentConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "image_folder"  # image_folder, byte_text (.txt/.txt.gz), token_file (.bin), or package.module:callable
+    name: str = "image_folder"  # image_folder, byte_text (.txt/.txt.gz), token_file (.bin), chat, or module:callable
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the data set (text: block_size, ...)
-    root: str = "data/cifar10-demo"  # image_folder: CIFAR-10 or ImageFolder; byte_text: the file; token_file: file(s)
+    root: str = "data/cifar10-demo"  # image_folder: CIFAR-10 or ImageFolder; byte_text, token_file, chat: the file(s)
     download: bool = False  # let torchvision download CIFAR-10 into root when it is missing
     cache_dir: str = ""  # where the decoded uint8 tensors are kept; "" = $XDG_CACHE_HOME/distlib or ~/.cache/distlib
     train_subset: int = 0  # use only the first N training images (0 = all)
@@ -54,7 +54,9 @@ class ModelConfig:
 
 @dataclass
 class LossConfig:
-    name: str = "cross_entropy"  # cross_entropy, or package.module:callable (outputs, targets) -> mean loss
+    # cross_entropy, or package.module:callable (outputs, targets) -> mean loss (with a `reduction` keyword: summed
+    # with reduction="sum", and the step takes its mean over the trained targets: docs/loss.md)
+    name: str = "cross_entropy"
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments bound to the loss
 
 
@@ -199,10 +201,20 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+class _Removed:
+    """A command line's ``key=null`` inside a mapping of arguments: the key is removed."""
+
+    def __repr__(self) -> str:
+        return "null"
+
+
+_REMOVED = _Removed()
+
+
 def _plain(value: Any) -> Any:
-    """``value`` with every command-line value inside it read as YAML."""
+    """``value`` with every command-line value inside it read as YAML, ``null`` as ``_REMOVED``."""
     if isinstance(value, _OverrideValue):
-        return value.parsed
+        return _REMOVED if value.parsed is None else value.parsed
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
@@ -220,6 +232,8 @@ class _OverrideValue:
     raw: str
 
     def for_type(self, tp: Any) -> Any:
+        if typing.get_origin(tp) is dict and self.parsed is None:
+            return _REMOVED  # model.args=null: every argument removed
         if tp is str:
             return self.raw
         if typing.get_origin(tp) is Literal and self.parsed not in typing.get_args(tp):
@@ -234,7 +248,7 @@ def _coerce(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
     """Return ``value`` as ``tp``, or record a problem and return None."""
     if typing.get_origin(tp) is dict:
         value = _plain(value)
-        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        if value is _REMOVED or (isinstance(value, dict) and all(isinstance(k, str) for k in value)):
             return value
     elif typing.get_origin(tp) is Literal:
         if value in typing.get_args(tp):
@@ -302,24 +316,35 @@ def _apply(obj: Any, data: Any, prefix: str, problems: list[str]) -> None:
         if isinstance(value, _OverrideValue):
             value = value.for_type(tp)
         coerced = _coerce(value, tp, path, problems)
-        if coerced is not None and typing.get_origin(tp) is dict:
+        if coerced is _REMOVED:  # model.args=null: every argument removed
+            setattr(obj, key, {})
+        elif coerced is not None and typing.get_origin(tp) is dict:
             setattr(obj, key, _merged(getattr(obj, key), coerced))  # a.args.b.c=value changes one key of b
         elif coerced is not None:
             setattr(obj, key, coerced)
 
 
 def _merged(base: dict, update: dict) -> dict:
-    """``base`` with ``update``'s keys, mappings in both merged key by key at every depth (an
-    override of ``model.args.config.x`` keeps the config's other keys); any other value replaces,
-    ``null`` too (``model.args.config=null`` drops the config)."""
+    """``base`` with ``update``'s keys, mappings merged key by key at every depth (an override of
+    ``model.args.config.x`` keeps the config's other keys); any other value replaces. A command
+    line's ``key=null`` removes the key, so that what receives the mapping uses its own default (a
+    key the recipe set that another model family does not take: ``model.args.config.head_dim=null``);
+    a recipe's own ``key: null`` is a value, None."""
     out = dict(base)
     for k, v in update.items():
-        out[k] = _merged(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
+        if v is _REMOVED:
+            out.pop(k, None)
+        elif isinstance(v, dict):
+            out[k] = _merged(out[k] if isinstance(out.get(k), dict) else {}, v)
+        else:
+            out[k] = v
     return out
 
 
 def _parse_override(item: str, problems: list[str]) -> dict | None:
-    """``a.b=value`` -> {"a": {"b": value}}, the value read as a YAML scalar."""
+    """``a.b=value`` -> {"a": {"b": value}}, the value read as YAML: a scalar, or a flow mapping or list
+    (``model.args.config.rope_parameters={rope_type: llama3, factor: 8.0}``); a key of type str keeps
+    the text as it is (``_OverrideValue``)."""
     if "=" not in item:
         problems.append(f"override {item!r}: expected dotted.key=value")
         return None
@@ -331,8 +356,8 @@ def _parse_override(item: str, problems: list[str]) -> dict | None:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
-    if isinstance(value, (dict, list)):
-        value = raw  # a flow mapping is not a scalar; keep the text and let the type check speak
+    if isinstance(value, (dict, list)) and not raw.lstrip().startswith(("{", "[")):
+        value = raw  # "Question: why" or "- x" is text: only a flow mapping or list is read as one
     out: dict = {}
     node = out
     parts = key.split(".")
@@ -475,7 +500,7 @@ def task_of(cfg: Config) -> str:
     return "causal_lm" if lm else "classification"
 
 
-LM_DATA = ("byte_text", "token_file")  # the built-in language-model data sets
+LM_DATA = ("byte_text", "token_file", "chat")  # the built-in language-model data sets
 LM_MODELS = ("gpt", "hf_causal_lm")  # the built-in language models
 
 
@@ -483,7 +508,7 @@ LM_MODELS = ("gpt", "hf_causal_lm")  # the built-in language models
 # component may need them without the recipe's args naming them
 PROVIDED = {
     "model": ("num_classes", "width", "vocab_size", "block_size"),
-    "data": ("root", "download", "cache_dir"),
+    "data": ("root", "download", "cache_dir", "pretrained"),
     "loss": ("label_smoothing",),
 }
 
@@ -513,6 +538,10 @@ def _check_components(cfg: Config, problems: list[str]) -> None:
     if cfg.data.name == "token_file" and cfg.model.name == "gpt" and "vocab_size" not in cfg.model.args:
         problems.append("model.args.vocab_size: needed with data.name=token_file (the tokenizer's vocabulary size; "
                         "the gpt's default of 256 is byte_text's)")  # fmt: skip
+    if cfg.data.name == "chat":  # what packed documents need of the model (runner/tasks/chat.py)
+        from distlib.runner.tasks.chat import chat_problems
+
+        problems.extend(chat_problems(cfg))
     hf_config = cfg.model.args.get("config")
     if cfg.data.name == "token_file" and cfg.model.name == "hf_causal_lm" and isinstance(hf_config, dict):
         if "vocab_size" not in hf_config:
@@ -582,7 +611,11 @@ Recipes are YAML files that hold only what differs from the defaults below; `a.b
 command line overrides them, with the value converted to the key's type (`train.lr=1e-3`,
 `data.download=true`, `run.name=no` is the string "no"); inside a mapping of arguments an override
 changes one key at any depth (`model.args.config.num_key_value_heads=1` keeps the config's other
-keys) and `null` drops one (`model.args.config=null`). Every problem in a recipe and its
+keys), a value may be a YAML flow mapping or list (`model.args.config.rope_parameters={rope_type:
+llama3, factor: 8.0}`, merged into the recipe's mapping as the dotted form is), and `key=null`
+removes a key, so that what receives the mapping uses its own default (`model.args.config=null`;
+`model.args.config.head_dim=null`, a key the recipe sets that another model family does not take).
+A recipe's own `key: null` is a value: None. Every problem in a recipe and its
 overrides is reported at once, before any process group starts and before anything is written,
 and the command exits with status 2. `python -m distlib.runner.config RECIPE [a.b=value ...]`
 checks a recipe and prints the resolved config.

@@ -103,8 +103,19 @@ class _Truncated(nn.Module):
         nn.init.orthogonal_(self.blocks[0].weight)
 
 
+class _Padded(nn.Module):
+    """An embedding whose padding row is not row 0: its initialisation zeroes row 3 through a view
+    of the weight that starts 3 rows in (a replay that loses the view's offset zeroes row 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(40, 8, padding_idx=3)
+        self.head = nn.Linear(8, 40)
+
+
+# pad_token_id 5: transformers zeroes that row of the embedding through a view 5 rows in
 _LLAMA = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=96, tie_word_embeddings=False)  # fmt: skip
+              num_key_value_heads=2, vocab_size=96, tie_word_embeddings=False, pad_token_id=5)  # fmt: skip
 
 
 def _llama():
@@ -125,6 +136,7 @@ def _builds(ctx) -> dict:
     out = {}
     out["llama"] = _gathered(shard_model(_llama, device="cpu", seed=0))
     out["truncated"] = _gathered(shard_model(_Truncated, device="cpu", seed=0))
+    out["padded"] = _gathered(shard_model(_Padded, device="cpu", seed=0))
     warnings = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
@@ -144,7 +156,8 @@ def _builds(ctx) -> dict:
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_transformers_model_and_a_fallback_give_the_plain_builds_weights(world):
     """A transformers Llama from a config, sharded at 2 and 3 gloo ranks, gathers to the plain build
-    under the same seed, and so does a model initialised with ``trunc_normal_`` and ``orthogonal_``;
+    under the same seed, and so does a model initialised with ``trunc_normal_`` and ``orthogonal_``,
+    and embeddings whose padding row (3; the Llama's 5) is zeroed through a view with an offset;
     an initialisation that cannot be replayed per parameter falls back to the whole build with a
     warning that says so, and still gives the plain weights; ``empty=True``
     shards NaN and draws nothing."""
@@ -156,9 +169,15 @@ def test_a_transformers_model_and_a_fallback_give_the_plain_builds_weights(world
     torch.manual_seed(0)
     truncated = {n: p.detach() for n, p in _Truncated().named_parameters()}
     torch.manual_seed(0)
+    padded = {n: p.detach() for n, p in _Padded().named_parameters()}
+    # the padding rows are zero and row 0 is not: a replay that zeroes the wrong row differs
+    for weight, pad in ((padded["embed.weight"], 3), (llama["hf.model.embed_tokens.weight"], 5)):
+        assert not weight[pad].any() and weight[0].all()
+    torch.manual_seed(0)
     untouched = torch.get_rng_state()
     for r in run_ranks(_builds, world, timeout=240):
-        for got, want in ((r["llama"], llama), (r["derived"], derived), (r["truncated"], truncated)):
+        pairs = (r["llama"], llama), (r["derived"], derived), (r["truncated"], truncated), (r["padded"], padded)
+        for got, want in pairs:
             assert got.keys() == want.keys()
             for n, t in want.items():
                 assert torch.equal(got[n], t), n

@@ -627,6 +627,32 @@ def test_written_says_whether_this_ranks_part_of_the_save_in_flight_is_on_disk(t
     assert [os.path.basename(p) for p in ck.paths()] == ["step000000001"] and ck.written()
 
 
+@pytest.mark.parametrize("async_", [False, True])
+def test_every_file_is_synced_before_the_commit_and_the_phases_are_timed(tmp_path, monkeypatch, async_):
+    """DCP writes the files unsynced; the save syncs each of this rank's (the shards and .metadata)
+    before the commit's commit.json, and says where its time went (``phases``)."""
+    synced, fsync = [], os.fsync
+
+    def recording(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    model, opt, sched = build("replicated", seed=0)
+    ck = ShardedCheckpointer(str(tmp_path), write_threads=3)
+    ck.save(1, objects(model, opt, sched, {}), async_=async_, in_place=async_)
+    ck.wait()
+    (step,) = ck.paths()
+    data = sorted(n for n in os.listdir(step) if n.endswith(".distcp") or n == ".metadata")
+    assert len(data) >= 2
+    partial = os.path.join(str(tmp_path), ".partial-step000000001")
+    marker = synced.index(os.path.join(partial, "commit.json.tmp"))
+    assert sorted(os.path.basename(p) for p in synced[:marker] if os.path.dirname(p) == partial) == data
+    assert set(ck.phases) >= {"call_s", "to_host_s", "write_s", "fsync_s", "commit_s"} - ({"to_host_s"} if not async_
+                                                                                            else set())  # fmt: skip
+    assert all(v >= 0 for v in ck.phases.values()) and ck.phases["write_s"] > 0
+
+
 def test_a_non_empty_partial_directory_is_refused_and_resume_clears_it(tmp_path):
     partial = tmp_path / ".partial-step000000005"
     partial.mkdir()

@@ -315,7 +315,9 @@ def test_scale_parses_its_parts_and_tiny_sizes_and_tables_every_part():
         scale.parse_args(["--modes=zero3"])
     rows = [
         {"part": "runner", "mode": "none", "cache": "cold", "rc": 0, "model_s": 0.4, "warmup_s": 15.3,
-         "to_first_step_s": 24.0, "tokens_per_s": 48500.0, "mfu": 0.504, "peak_mem_gib": 64.7, "final_save_s": 25.0},
+         "to_first_step_s": 24.0, "tokens_per_s": 48500.0, "mfu": 0.504, "peak_mem_gib": 64.7, "final_save_s": 25.0,
+         "imports_s": 2.5, "memory_plan_s": 0.02,
+         "save_phases": {"to_host_s": 4.25, "write_s": 12.0, "fsync_s": 6.5, "commit_s": 0.1}},
         {"part": "recipe", "mode": "optimizer", "cache": "warm", "rc": 0, "model_s": 0.2, "warmup_s": 3.1,
          "to_first_step_s": 8.0, "tokens_per_s": 49000.0, "mfu": 0.51, "peak_mem_gib": 70.0, "final_save_s": 21.0,
          "save_wait_s": 4.5, "train_s": 50.2, "eval_s": 17.1, "command_s": 85.0, "beyond_s": 17.7},
@@ -329,8 +331,10 @@ def test_scale_parses_its_parts_and_tiny_sizes_and_tables_every_part():
          "tokens_per_s": 8000.0, "tflops": 350.0, "peak_mem_gib": 130.0},
     ]  # fmt: skip
     text = scale.table(rows)
-    assert "| none | cold | 0.40 | 15.3 | 24.0 | 48500 | 50.4% | 64.7 | 25.0 (—) | — | — | — | — |" in text
-    recipe = "| optimizer | warm | 0.20 | 3.1 | 8.0 | 49000 | 51.0% | 70.0 | 21.0 (4.5) | 50.2 | 17.1 | 85.0 | 17.7 |"
+    assert ("| none | cold | 2.5 | 0.0 | 0.40 | 15.3 | 24.0 | 48500 | 50.4% | 64.7 | 25.0 (—) | "
+            "4.2 / 12.0 / 6.5 / 0.1 | — | — | — | — |") in text  # fmt: skip
+    recipe = ("| optimizer | warm | — | — | 0.20 | 3.1 | 8.0 | 49000 | 51.0% | 70.0 | 21.0 (4.5) | — / — / — / — | "
+              "50.2 | 17.1 | 85.0 | 17.7 |")  # fmt: skip
     assert "recipe:\n" in text and recipe in text
     assert "| full | warm | failed: boom |" in text
     assert "| 0.38 s |" in text and "| 15.5 s |" in text and "48900 tokens/s, 50.8%" in text
@@ -360,6 +364,8 @@ def test_scale_runs_tiny_on_the_cpu_through_the_runner(tmp_path):
             assert r["rc"] == 0 and r["model_s"] > 0 and r["to_first_step_s"] > 0 and r["tokens_per_s"] > 0, r
             assert r["final_save_s"] > 0 and r["eval_s"] > 0 and r["save_wait_s"] <= r["final_save_s"], r
             assert r["beyond_s"] == pytest.approx(r["command_s"] - r["train_s"] - r["eval_s"], abs=0.11), r
+            phases = r["save_phases"]  # the final save's, from summary.json
+            assert phases["write_s"] > 0 and phases["fsync_s"] >= 0 and phases["commit_s"] >= 0, r
     anchors = {r["mode"]: r for r in rows if r["part"] == "anchors"}
     assert anchors["plain"]["build_s"] > 0 and anchors["plain"]["torch_save_s"] > 0
     assert anchors["plain"]["sharded_save_s"] > 0 and anchors["single-compile"]["tokens_per_s"] > 0

@@ -171,6 +171,38 @@ def test_nested_overrides_apply_after_the_recipe(tmp_path):
     assert cfg.train.epochs == 6  # the last override wins
 
 
+def test_flow_values_in_overrides_and_null_removes_a_key(tmp_path):
+    """An override's YAML flow mapping or list reaches its mapping as YAML (merged into the recipe's
+    mapping, as the dotted form is); other text stays text; key=null removes the key, at any depth
+    (what receives the mapping uses its default; the last override wins), while a recipe's own
+    null is None; args=null removes every argument; a flow value for a key of another type is named."""
+    text = "model:\n  name: gpt\n  args:\n    n_layer: 3\n    dropout: 0.1\n    config:\n      head_dim: 64\n"
+    path = write(tmp_path, text + "      window: null\n      rope: {theta: 5.0, kind: llama3}\n")
+    cfg = load_config(path, [
+        "model.args.config.rope={factor: 8.0, low: [1, 2]}",  # merged: theta and kind kept
+        "model.args.config.layers=[full, sliding, full]",
+        "model.args.config.head_dim=null",  # removed
+        "model.args.dropout=null", "model.args.dropout=0.2",  # removed, then set again
+        "model.args.n_layer=null",
+        "model.args.config.absent=null",  # removing what is not there: nothing
+        "model.args.prompt=Question: why",  # text, not a block mapping
+        "model.args.item=- x",
+        "run.name={a: 1}",  # a str key keeps its text
+    ], check_components=False)  # fmt: skip
+    assert cfg.model.args == {
+        "dropout": 0.2,
+        "config": {"window": None, "rope": {"theta": 5.0, "kind": "llama3", "factor": 8.0, "low": [1, 2]},
+                   "layers": ["full", "sliding", "full"]},
+        "prompt": "Question: why",
+        "item": "- x",
+    }  # fmt: skip
+    assert cfg.run.name == "{a: 1}"
+    assert load_config(path, ["model.args=null"], check_components=False).model.args == {}
+    assert load_config(path, ["data.args={block_size: 32}"], check_components=False).data.args == {"block_size": 32}
+    assert problems(None, ["train.lr={a: 1}", "train.epochs=null"]) == [
+        "train.lr: expected float, got {'a': 1}", "train.epochs: expected int, got None"]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "item, expected",
     [
@@ -178,7 +210,7 @@ def test_nested_overrides_apply_after_the_recipe(tmp_path):
         ("=3", "override '=3': expected dotted.key=value"),
         ("train..epochs=3", "override 'train..epochs=3': expected dotted.key=value"),
         ("train.=3", "override 'train.=3': expected dotted.key=value"),
-        ("train.epochs=[1, 2]", "train.epochs: expected int, got '[1, 2]'"),
+        ("train.epochs=[1, 2]", "train.epochs: expected int, got [1, 2]"),
         ("train.epochs.x=1", "train.epochs: expected int, got {'x': 1}"),
         ("train=3", "train: expected a mapping of keys, got 3"),
         ("train.lr=1e", "train.lr: expected float, got '1e'"),

@@ -75,14 +75,16 @@ def test_each_full_sharding_option_trains_as_the_default(tmp_path, world_size, o
 
 def test_the_final_checkpoint_is_the_weights_alone_or_nothing(tmp_path):
     """run.final_checkpoint=weights: the model alone in <run>/weights/step<N>/ (no optimizer state),
-    no checkpoint in <run>/checkpoints, and python -m distlib.runner.export writes the trained
-    weights from it; =none: neither."""
+    beside the periodic checkpoints of <run>/checkpoints (steps 3 and 6, older: none at the end), and
+    python -m distlib.runner.export writes the trained weights from the newest (the final weights,
+    not a periodic checkpoint's); =none: neither."""
     from distlib.runner.hf.dcp_tensors import CheckpointTensors
     from distlib.runner.hf.export import export, load_gpt
 
     out = tmp_path / "weights"
-    (r0, _) = run_ranks(_trained, 2, ["run.final_checkpoint=weights", f"run.out_dir={out}"], timeout=240)
-    assert checkpoints(out) == []
+    overrides = ["run.final_checkpoint=weights", "run.checkpoint_every_steps=3", f"run.out_dir={out}"]
+    (r0, _) = run_ranks(_trained, 2, overrides, timeout=240)
+    assert checkpoints(out) == ["step000000003", "step000000006"]
     (step,) = os.listdir(out / "weights")
     assert step == "step000000008", step
     names = CheckpointTensors(str(out / "weights" / step), "").shapes

@@ -38,7 +38,8 @@ SMALL = dict(
     eos_token_id=2,
 )
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-# family -> its tiny config (a mixture of experts: 4 experts, 2 a token)
+# family -> its tiny config (a mixture of experts: 2 experts a token of 4; Mixtral's 12, past 10:
+# stacked in the order 0, 1, 2, ..., 11, not the text's 0, 1, 10, 11, 2, ...)
 FAMILIES = {
     "llama": SMALL,
     "mistral": SMALL,
@@ -55,7 +56,7 @@ FAMILIES = {
                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     "gpt_neox": dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                      max_position_embeddings=64, bos_token_id=1, eos_token_id=2),
-    "mixtral": {**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "mixtral": {**SMALL, "num_local_experts": 12, "num_experts_per_tok": 2},
     "qwen2_moe": {**SMALL, **EXPERTS, "shared_expert_intermediate_size": 32},
     "qwen3_moe": {**SMALL, **EXPERTS, "head_dim": 8},
     "deepseek_v3": dict(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -223,9 +224,9 @@ def test_a_mixture_of_experts_reports_its_load_balancing_loss_as_transformers_co
     rows = got[0]["rows"]
     assert rows[0]["aux_loss"] == pytest.approx(sum(aux) / len(aux), rel=1e-4)
     assert all(r["aux_loss"] > 1.0 for r in rows)
-    # 2 of 4 experts a token: the experts' weights count half
+    # 2 of 12 experts a token: the experts' weights count a sixth
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    assert model.active_params() == model.num_params() - experts // 2
+    assert model.active_params() == model.num_params() - experts + experts // 6
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["flops_per_token"] == (
         model.flops_per_token(BLOCK)
     )
@@ -255,21 +256,37 @@ def test_attention_is_the_fastest_the_family_allows_and_what_transformers_refuse
 
 
 def test_a_command_line_override_changes_one_key_of_the_config_and_null_drops_it(text, tmp_path):
-    """model.args.config.x=... merges into the recipe's config (its other keys kept, at any depth);
-    config and pretrained together name the override that drops one; model.args.config=null does."""
-    config = {"model_type": "llama", **SMALL, "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}
+    """model.args.config.x=... merges into the recipe's config (its other keys kept, at any depth),
+    an inline mapping too, which reaches transformers as a mapping; a key the recipe sets that another
+    family refuses (Qwen2 has no head_dim) is removed by x=null; config and pretrained together name
+    the override that drops one; model.args.config=null does."""
+    from distlib.runner.models.hf_causal_lm import build_config
+
+    config = {"model_type": "llama", **SMALL, "head_dim": 8,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}  # fmt: skip
     path = recipe(text.parent, str(tmp_path / "r"), {"config": config})
     cfg = load_config(path, ["model.args.config.num_key_value_heads=1",
                              "model.args.config.rope_parameters.rope_theta=1000.0"])  # fmt: skip
     want = {**config, "num_key_value_heads": 1, "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}}
     assert cfg.model.args["config"] == want
+    llama3 = "{rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, " \
+             "original_max_position_embeddings: 32}"  # fmt: skip
+    cfg = load_config(path, [f"model.args.config.rope_parameters={llama3}"])
+    rope = build_config(cfg.model.args["config"]).rope_parameters
+    assert rope["rope_type"] == "llama3" and rope["factor"] == 8.0 and rope["rope_theta"] == 500.0, rope
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["model.args.config.model_type=qwen2"])
+    assert e.value.problems == ["model.args.config.head_dim: Qwen2Config has no key 'head_dim'"]
+    cfg = load_config(path, ["model.args.config.model_type=qwen2", "model.args.config.head_dim=null"])
+    assert "head_dim" not in cfg.model.args["config"]
+    assert type(build_config(cfg.model.args["config"])).__name__ == "Qwen2Config"
     folder = tmp_path / "folder"
     save_family(folder, "llama")
     with pytest.raises(ConfigError) as e:
         load_config(path, [f"model.args.pretrained={folder / 'original'}"])
     assert "model.args.config=null" in e.value.problems[0], e.value.problems
     cfg = load_config(path, [f"model.args.pretrained={folder / 'original'}", "model.args.config=null"])
-    assert cfg.model.args["config"] is None and cfg.model.args["pretrained"] == str(folder / "original")
+    assert "config" not in cfg.model.args and cfg.model.args["pretrained"] == str(folder / "original")
 
 
 def _trained(ctx, text: str, out: str, pretrained: str) -> None:

@@ -19,7 +19,7 @@ from tests.conftest import ROOT
 
 RUNNER = os.path.join(ROOT, "distlib", "runner")
 SUBPACKAGES = ("data", "hf", "models", "observability", "tasks", "training")
-COMMANDS = ("config", "export", "plan", "tokenize")
+COMMANDS = ("config", "export", "plan", "tokenize")  # python -m distlib.runner.<command>
 
 
 def _modules() -> dict[str, str]:
@@ -130,8 +130,9 @@ def test_the_circle_finder_finds_a_circle():
 
 def test_the_runner_has_no_loose_module_beside_its_rooms():
     loose = sorted(f[:-3] for f in os.listdir(RUNNER) if f.endswith(".py") and f != "__init__.py")
-    # the recipe's own vocabulary (config, the components it names) and the command-line tools
-    assert set(loose) <= {"components", *COMMANDS}, loose
+    # the recipe's own vocabulary (config, the components it names), the command-line tools, and the
+    # training command: `python -m distlib.runner` (__main__, cli: the entry, main: one run start to exit)
+    assert set(loose) <= {"components", *COMMANDS, "__main__", "cli", "main"}, loose
     for room in SUBPACKAGES:
         assert os.path.isfile(os.path.join(RUNNER, room, "__init__.py")), room
 
@@ -173,3 +174,9 @@ def test_every_package_the_code_imports_is_declared():
         if not dists & declared:
             undeclared[name] = sorted(dists)
     assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"
+
+
+def test_the_training_command_runs_as_the_package_and_answers_help():
+    out = subprocess.run([sys.executable, "-m", "distlib.runner", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0 and "distlib-train" in out.stdout and "overrides" in out.stdout, out.stderr

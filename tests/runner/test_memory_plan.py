@@ -17,8 +17,9 @@ from tests.conftest import ROOT
 
 
 @pytest.fixture(autouse=True)
-def _in_root(monkeypatch, world_size_1):
+def _in_root(monkeypatch, world_size_1, tmp_path):
     monkeypatch.chdir(ROOT)  # the recipes' relative paths
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile"))  # plans kept at launch: the test's
 
 
 def _tiny(*overrides: str):
@@ -398,14 +399,22 @@ def test_a_fully_sharded_run_planned_at_launch_saves_and_resumes_its_checkpoints
 
 
 def test_offload_keeps_the_shards_off_the_device_and_reshard_after_forward_false_keeps_blocks_gathered():
+    """dist.offload=true: no shard on the device at the peak. 8 blocks (a plan extrapolated from fewer)
+    with full checkpointing peak where the gradient shards exist; without checkpointing, or with 4
+    blocks, the peak comes before them (a plan that kept them on the device passed there)."""
+    kw = dict(shards=("full",), checkpointing=("full",), batches=False)
+    eight = ("model.args.n_layer=8", "dist.shard=full", "train.activation_checkpointing=full")
+    base = plan(_tiny(*eight), 2, **kw).modes["full"]
+    off = plan(_tiny(*eight, "dist.offload=true"), 2, **kw).modes["full"]
+    assert base.steps["full"].parts["gradients"] > 0  # at this peak the gradient shards exist
+    shards = ("parameters", "gradients", "optimizer state")
+    assert {p: off.steps["full"].parts[p] for p in shards} == dict.fromkeys(shards, 0)
+    assert off.steps["full"].peak < base.steps["full"].peak and off.warm_up_copy == off.staging == 0
     kw = dict(shards=("full",), checkpointing=("none",), batches=False)
-    base = plan(_tiny("model.args.n_layer=4", "dist.shard=full"), 2, **kw).modes["full"]
-    off = plan(_tiny("model.args.n_layer=4", "dist.shard=full", "dist.offload=true"), 2, **kw).modes["full"]
+    four = plan(_tiny("model.args.n_layer=4", "dist.shard=full"), 2, **kw).modes["full"]
     kept = plan(_tiny("model.args.n_layer=4", "dist.shard=full", "dist.reshard_after_forward=false"), 2,
                 **kw).modes["full"]  # fmt: skip
-    assert all(off.steps["none"].parts[p] == 0 for p in ("parameters", "gradients", "optimizer state"))
-    assert off.steps["none"].peak < base.steps["none"].peak and off.warm_up_copy == off.staging == 0
-    assert kept.steps["none"].parts["gathered blocks"] > base.steps["none"].parts["gathered blocks"]
+    assert kept.steps["none"].parts["gathered blocks"] > four.steps["none"].parts["gathered blocks"]
 
 
 @pytest.mark.gpus(1)

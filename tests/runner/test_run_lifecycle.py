@@ -88,3 +88,24 @@ def test_sigterm_exits_143_then_the_run_continues_finishes_and_has_nothing_left(
     assert "deleted the old checkpoints" in fresh.stderr
     assert os.listdir(os.path.join(out, "checkpoints")) == [step_name(STEPS)]
     assert epochs(out) == [1]
+
+
+@pytest.mark.parametrize(
+    "command, signum",
+    [
+        (["launch.py"], signal.SIGTERM),
+        (["-m", "distlib.runner"], signal.SIGINT),
+        (["-m", "distlib.runner"], signal.SIGTERM),
+    ],
+)
+def test_a_stop_during_the_imports_is_one_line_and_128_plus_the_signal(tmp_path, command, signum):
+    """The checkout's launch.py and the installed command alike: their handlers are in place before
+    torch's import (``import distlib`` loads no torch), so a stop in the first second is one line."""
+    proc = subprocess.Popen([sys.executable, *command, *RUN, f"run.out_dir={tmp_path}"], cwd=ROOT, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(0.8)  # inside the imports: torch alone takes seconds
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum, err[-2000:]
+    said = "error: interrupted" + ("" if signum == signal.SIGINT else " by SIGTERM")
+    assert err.strip() == said, err[-2000:]

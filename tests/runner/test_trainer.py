@@ -99,7 +99,7 @@ def test_the_train_state_is_saved_typed_and_restored(tmp_path, world_size_1):
     state = payload["train_state"]
     assert set(state) == {"epoch", "step", "train_s", "elapsed_s", "epoch_s"} and state["epoch"] == 1
     assert 0 < state["train_s"] <= state["elapsed_s"]
-    assert set(payload["ranks"][0]["states"]["train_state"]) == {"loss_sum"}  # per rank
+    assert set(payload["ranks"][0]["states"]["train_state"]) == {"loss_sum", "trained_sum"}  # per rank
     assert set(payload) == {"model", "optimizer", "scheduler", "train_state", "ranks"}  # nothing on the side
 
     shutil.rmtree(out / "checkpoints" / step_name(2 * steps))
@@ -260,6 +260,43 @@ def test_a_rank_that_lost_a_peer_says_what_the_peer_said_or_names_it(monkeypatch
     err = capsys.readouterr().err
     assert err.startswith("error: ") and said in err, err
     assert sent[-1] == (code, err.removeprefix("error: ").strip())  # its own word, for the others
+
+
+def _one_rank_lost(ctx, lost: int) -> tuple[int, str] | None:
+    """Rank ``lost`` leaves the group without a word (as one killed); the others' all_reduce fails:
+    each one's exit code and error line (``outcome.exit_code``), as the launcher prints it."""
+    import torch.distributed as dist
+
+    from distlib.reliability.failures import abort
+    from distlib.runner.training import outcome
+
+    dist.barrier()
+    if ctx.rank == lost:
+        dist.destroy_process_group()
+        return None
+    err = io.StringIO()
+    try:
+        for _ in range(1000):
+            dist.all_reduce(torch.ones(4))
+        raise AssertionError("no collective failed")
+    except RuntimeError as e:
+        with contextlib.redirect_stderr(err):
+            code = outcome.exit_code(e, timeout_s=30.0)
+    abort()
+    return code, err.getvalue()
+
+
+def test_three_ranks_one_lost_each_survivor_names_that_one_and_not_the_other_survivor():
+    """3 gloo ranks, rank 1 gone without a word: ranks 0 and 2 each exit 1 with one line naming rank 1
+    alone; at 2 ranks "the other rank" and "the lost rank" are one, here a survivor that named the
+    other survivor (its word not yet in the store) would show."""
+    results = run_ranks(_one_rank_lost, 3, 1, timeout=120, init_timeout_s=30)
+    assert results[1] is None
+    for rank in (0, 2):
+        code, err = results[rank]
+        assert code == 1 and err.count("\n") == 1, err
+        assert err.startswith(f"error: rank {rank} lost the connection to rank 1 in "), err
+        assert "rank 1 ended without a word" in err and f"rank {2 - rank}" not in err, err
 
 
 def test_a_checkpoint_must_match_every_key_but_the_documented_free_ones():

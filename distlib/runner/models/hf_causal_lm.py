@@ -205,9 +205,11 @@ def _skip_packing_detection_in_own_calls() -> None:
     torch.compile, CUDA-graph capture) it assumes packing and makes a (batch, 1, T, T) mask, which
     makes SDPA repeat the keys and values for every head (no grouped-query path) and keep the mask
     for backward: 160 MiB a layer at 8 x 2048 tokens of a Llama-3.2-1B shape, 2.5 GiB over its 16
-    layers in the memory plan. ``HFCausalLM`` passes ``input_ids`` only, so the model makes its own
-    positions 0..T-1 and a row is never packed: in its forwards the detection answers "not packed"
-    without looking. Installed once; a transformers without the function is left as it is."""
+    layers in the memory plan. ``HFCausalLM`` called with ``input_ids`` only lets the model make its
+    own positions 0..T-1, so a row is never packed: in those forwards the detection answers "not
+    packed" without looking. Called with ``position_ids`` (packed chat rows) the detection runs and
+    its mask isolates the documents. Installed once; a transformers without the function is left
+    as it is."""
     try:
         from transformers import masking_utils
     except ImportError:
@@ -224,8 +226,9 @@ def _skip_packing_detection_in_own_calls() -> None:
 
 
 class HFCausalLM(nn.Module):
-    """``logits = model(idx)``: a transformers causal LM (``self.hf``) called with ``input_ids``,
-    returning ``.logits``; idx (batch, time) token ids, logits (batch, time, vocab). A mixture of
+    """``logits = model(input_ids)``: a transformers causal LM (``self.hf``) called with ``input_ids``
+    (and ``position_ids`` when given: packed documents, docs/fine_tuning.md), returning ``.logits``;
+    input_ids (batch, time) token ids, logits (batch, time, vocab). A mixture of
     experts with a load-balancing loss returns ``(logits, aux_loss)`` in training (``forward``)."""
 
     def __init__(self, hf: nn.Module, *, pretrained: str = "", lora: Mapping[str, Any] | None = None):
@@ -250,18 +253,27 @@ class HFCausalLM(nn.Module):
         self.aux_loss_coef: float | None = float(coef) if coef else None
         _skip_packing_detection_in_own_calls()
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The logits; in training, a mixture of experts with a load-balancing loss returns
         ``(logits, aux_loss)``: the causal-LM task adds ``aux_loss_coef * aux_loss`` to its loss,
-        as transformers' ``.loss`` does, and reports ``aux_loss`` on its own."""
-        _OwnPositions.depth += 1  # the model makes positions 0..T-1 itself: no packed rows
+        as transformers' ``.loss`` does, and reports ``aux_loss`` on its own. ``position_ids``
+        (batch, time): given, transformers' packed-sequence detection runs (positions that restart
+        inside a row start a new document: sdpa, eager and flex attention get a block-causal mask,
+        no token attending to another document); without them, positions 0..T-1 and no detection."""
+        own = position_ids is None
+        if own:
+            _OwnPositions.depth += 1  # the model makes positions 0..T-1 itself: no packed rows
+        kwargs = {} if own else {"position_ids": position_ids}
         try:
             if self.aux_loss_coef is not None and self.training:
-                out = self.hf(input_ids=idx, use_cache=False, output_router_logits=True)
+                out = self.hf(input_ids=input_ids, use_cache=False, output_router_logits=True, **kwargs)
                 return out.logits, out.aux_loss
-            return self.hf(input_ids=idx, use_cache=False).logits
+            return self.hf(input_ids=input_ids, use_cache=False, **kwargs).logits
         finally:
-            _OwnPositions.depth -= 1
+            if own:
+                _OwnPositions.depth -= 1
 
     @property
     def config(self) -> Any:

@@ -98,5 +98,5 @@ class ClassificationTask(Task):
         distlib.all_reduce(counts)
         return {"test_acc": round(counts[0].item() / max(1.0, counts[1].item()), 5)}
 
-    def rates(self, samples_per_s: float, model: nn.Module) -> dict[str, Any]:
+    def rates(self, samples_per_s: float, model: nn.Module, trained_frac: float = 1.0) -> dict[str, Any]:
         return {"images_per_s": round(samples_per_s, 1)}

@@ -17,7 +17,7 @@ from distlib.runner import components
 from distlib.runner.config import Config, ConfigError
 from distlib.runner.data.errors import DataError
 from distlib.runner.observability.timeline import Timeline
-from distlib.runner.tasks.losses import LossFn
+from distlib.runner.tasks.losses import StepLoss
 
 
 class Task:
@@ -39,13 +39,17 @@ class Task:
         """Keyword arguments the model gets when it takes them and model.args does not set them."""
         return {}
 
-    def loss_fn(self, model: nn.Module | None = None) -> LossFn:
-        """``loss(outputs, targets)`` of ``model``'s outputs: loss.name with loss.args (and
-        train.label_smoothing if it takes it)."""
+    def loss_fn(self, model: nn.Module | None = None) -> StepLoss:
+        """The loss of ``model``'s outputs: loss.name with loss.args (and train.label_smoothing if it
+        takes it); its sum over the trained targets where it takes ``reduction`` (the step divides by
+        the step's trained targets over every rank), else its mean (runner/tasks/losses.py)."""
         c = self.cfg.loss
         fn = components.resolve("loss", c.name)
         kwargs = {**components.accepted(fn, {"label_smoothing": self.cfg.train.label_smoothing}), **c.args}
-        return lambda outputs, targets: fn(outputs, targets, **kwargs)
+        if components.accepted(fn, {"reduction": "sum"}) and "reduction" not in kwargs:
+            return StepLoss.of(lambda outputs, targets, reduction="mean": fn(outputs, targets, reduction=reduction,
+                                                                             **kwargs))  # fmt: skip
+        return StepLoss.of(lambda outputs, targets: fn(outputs, targets, **kwargs))
 
     def train_metrics(self, collect: bool = True) -> dict[str, Any]:
         """What the loss reported besides itself (metrics.jsonl keys), averaged over the training steps
@@ -66,8 +70,9 @@ class Task:
         the training clock starts; by default the final evaluation itself. A collective."""
         self.evaluate(model, autocast, final=True)
 
-    def rates(self, samples_per_s: float, model: nn.Module) -> dict[str, Any]:
-        """Throughput fields of a metrics row, from the global samples per second."""
+    def rates(self, samples_per_s: float, model: nn.Module, trained_frac: float = 1.0) -> dict[str, Any]:
+        """Throughput fields of a metrics row, from the global samples per second; ``trained_frac``:
+        the share of the targets trained (not ``IGNORED``) over the row's steps."""
         return {}
 
     def seen(self, samples: int) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import io
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -173,6 +174,7 @@ class RunCheckpoints:
         self._group: dist.ProcessGroup | None = None  # where the ranks agree that it is written
         self._flag = torch.zeros(1, dtype=torch.int32)  # 1: this rank is still writing
         self._work: Any = None  # the all_reduce of the flags, one call behind
+        self._gather_s = 0.0  # the last save's gathering of the ranks' own values
 
     @property
     def checkpointer(self) -> ShardedCheckpointer:
@@ -218,12 +220,24 @@ class RunCheckpoints:
         ``in_place``: not staged, the write reads the tensors where they are (ShardedCheckpointer's):
         for the final save, which nothing but evaluation and sampling follows."""
         self._settle()
+        t = time.perf_counter()
         self.ranks.gather()
+        self._gather_s = time.perf_counter() - t
         self.checkpointer.save(global_step, self.objects, async_=async_, in_place=in_place)
         if async_:
             self._in_flight = True
             if self._group is None and collectives.world_size() > 1:  # a collective: every rank saves here
                 self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+
+    @property
+    def phases(self) -> dict[str, float]:
+        """Where the last committed save's seconds went on this rank: the ranks' own values gathered
+        (``gather_s``), the call (``call_s``: the state dicts, the staging's start), the copies to the host
+        (``to_host_s``), DCP's writes (``write_s``), syncing the files (``fsync_s``), what was left of the
+        write when it was waited for (``waited_s``) and the commit (``commit_s``); ShardedCheckpointer's."""
+        if self._checkpointer is None or not self._checkpointer.phases:
+            return {}
+        return {"gather_s": round(self._gather_s, 3), **self._checkpointer.phases}
 
     def commit_if_written(self) -> None:
         """Commit the background save once every rank has written its part: after every step, so that it

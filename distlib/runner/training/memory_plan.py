@@ -189,6 +189,15 @@ class MemoryPlan:
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MemoryPlan:
+        """The plan ``as_dict`` wrote (a plan kept between runs, plan_cache)."""
+        modes = {
+            shard: ModePlan(**{**m, "steps": {c: StepMemory(**s) for c, s in m["steps"].items()}})
+            for shard, m in d["modes"].items()
+        }
+        return cls(**{**d, "modes": modes})
+
 
 def size(n: int) -> str:
     """``n`` bytes in GiB, or in MiB below one GiB."""
@@ -223,6 +232,9 @@ class StepSpec:
     compress: str = "none"  # dist.compress: "bf16", GradSync keeps a bf16 copy of its buckets to send
     ema: bool = False  # train.ema > 0: an average of the weights (distlib.EMA), updated after each step
     compiled_blocks: bool = False  # train.compile compiles the blocks one by one with inductor
+    # the compiled blocks' traces (seconds each), shared by every step measured of this spec: the model at
+    # 2, 3, 4... blocks and each mode's step trace its blocks once (_partitioned_as_inductor)
+    traces: dict[Any, Callable[..., Any]] = field(default_factory=dict, compare=False, repr=False)
 
 
 def step_spec(cfg: Config) -> StepSpec:
@@ -231,9 +243,10 @@ def step_spec(cfg: Config) -> StepSpec:
     the recipe's). Raises PlanError for what the plan does not measure."""
     if task_of(cfg) != "causal_lm":
         raise PlanError([f"memory plan: train.task={task_of(cfg)}: only language-model recipes are planned"])
-    seq_len = cfg.data.args.get("block_size")
+    length = "max_length" if cfg.data.name == "chat" else "block_size"  # chat rows: data.args.max_length tokens
+    seq_len = cfg.data.args.get(length)
     if seq_len is None:
-        default = inspect.signature(components.resolve("data", cfg.data.name)).parameters.get("block_size")
+        default = inspect.signature(components.resolve("data", cfg.data.name)).parameters.get(length)
         seq_len = default.default if default is not None and default.default is not inspect.Parameter.empty else None
     if not isinstance(seq_len, int):
         raise PlanError([f"memory plan: data.args.block_size: the sequence length of data.name={cfg.data.name} "
@@ -570,8 +583,10 @@ def measure_step(
     ``world_size`` ranks that must be running (``fake_world``). ``layers``: the model built with that
     many blocks (``spec.build_layers``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if shard == "full":  # FSDP2's imports (a second on a CPU) only where it runs
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     dtype = _COMPUTE[precision]
     mesh = init_device_mesh("cpu", (world_size,)) if shard == "full" else None  # outside the fake mode
@@ -597,9 +612,8 @@ def measure_step(
                                  "blocks; name their class with model.block_class"])  # fmt: skip
             distlib.checkpoint_blocks(blocks, checkpointing)
         partitioned = spec.compiled_blocks and checkpointing == "none" and bool(blocks)
-        traced: dict[Any, Callable[..., Any]] = {}
-        for block in blocks if partitioned else ():
-            _partitioned_as_inductor(block, traced)
+        for block in blocks if partitioned else ():  # what changes a block's forward besides itself: fp8
+            _partitioned_as_inductor(block, spec.traces, (precision, spec.fp8_recipe, spec.fp8_layers))
         groups = param_groups(model, spec.weight_decay)
         params = [p for g in groups for p in g["params"]]
         ledger.hold([*model.parameters(), *model.buffers()], "parameters")
@@ -699,14 +713,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _partitioned_as_inductor(block: nn.Module, traced: dict[Any, Callable[..., Any]]) -> None:
+def _partitioned_as_inductor(block: nn.Module, traced: dict[Any, Callable[..., Any]], context: tuple = ()) -> None:
     """``block``'s forward, in place, as inductor compiles it for training, run on fake tensors: traced
     at its first call into a joint forward and backward graph with inductor's decompositions, split by
     the min-cut partitioner that inductor uses (it keeps for backward what is costly to recompute and
     recomputes cheap pointwise work), the two graphs then run op by op, so the ledger sees each
     storage. Inductor itself does not run on fake tensors, and torch.compile does not compile under
     the ledger's dispatch mode; ``aot_function`` traces without dynamo. Blocks alike (``_alike``) called
-    with inputs alike share one trace in ``traced`` (seconds each), as they share one compiled graph."""
+    with inputs alike share one trace in ``traced`` (seconds each), as they share one compiled graph, in
+    this step and in the others measured of the same recipe (``context``: what else tells them apart)."""
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
@@ -717,7 +732,7 @@ def _partitioned_as_inductor(block: nn.Module, traced: dict[Any, Callable[..., A
     def call(*args: Any, **kwargs: Any) -> Any:
         # the parameters at each call: under FSDP2, the ones its pre-forward hook has just gathered
         tensors = {**dict(block.named_parameters()), **dict(block.named_buffers())}
-        key = (alike, _inputs_alike((tensors, args, kwargs)), torch.is_autocast_enabled("cpu"),
+        key = (context, alike, _inputs_alike((tensors, args, kwargs)), torch.is_autocast_enabled("cpu"),
                torch.get_autocast_dtype("cpu"), torch.is_grad_enabled())  # fmt: skip
         if key not in traced:
 
@@ -974,12 +989,31 @@ def check_before_launch(cfg: Config) -> None:
     gpu = device_bytes(int(os.environ.get("LOCAL_RANK", "0"))) if cfg.dist.backend != "gloo" else None
     on_gpu = torch.cuda.is_available() and cfg.dist.backend != "gloo"
     own = dict(shards=(cfg.dist.shard,), checkpointing=(cfg.train.activation_checkpointing,))
-    # FSDP2 runs under a fake process group: in a process of its own, since a process group and its
-    # device meshes leave state behind them (a later sharded checkpoint of the real group was wrong)
-    measure = _plan_in_child if cfg.dist.shard == "full" else _plan_here
-    outcome, result = measure(cfg, world, gpu, on_gpu, own)
-    if outcome == "ok" and result.fits() is False:  # what would fit instead: every mode, measured only now
-        outcome, result = _plan_in_child(cfg, world, gpu, on_gpu, {})
+
+    def make() -> tuple[str, Any, bool]:
+        # FSDP2 runs under a fake process group: in a process of its own, since a process group and its
+        # device meshes leave state behind them (a later sharded checkpoint of the real group was wrong)
+        measure = _plan_in_child if cfg.dist.shard == "full" else _plan_here
+        outcome, result = measure(cfg, world, gpu, on_gpu, own)
+        if outcome == "ok" and result.fits() is False:  # what would fit instead: every mode, measured only now
+            outcome, result = _plan_in_child(cfg, world, gpu, on_gpu, {})
+        if outcome == "ok":
+            return outcome, result.as_dict(), True
+        return outcome, result, outcome != "died"  # a child that died (out of host memory) may not die again
+
+    # made once: kept for a rerun or a resume, and by local rank 0 only (plan_cache)
+    from distlib.runner.training.compilation import compile_cache_dir
+    from distlib.runner.training.plan_cache import plan_key, shared_plan
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    on_cuda = gpu is not None and torch.cuda.is_available()
+    name = torch.cuda.get_device_name(local % torch.cuda.device_count()) if on_cuda else ""
+    directory = os.path.join(compile_cache_dir(cfg), "memory_plan")
+    outcome, result, source = shared_plan(directory, plan_key(cfg, world, name, gpu, on_gpu, own), make)
+    if outcome == "died":
+        outcome = "failed"
+    if outcome == "ok":
+        result = MemoryPlan.from_dict(result)
     if outcome == "not planned":
         if main:
             log.info("memory plan: not made: %s", result.removeprefix("memory plan: "))
@@ -991,7 +1025,7 @@ def check_before_launch(cfg: Config) -> None:
     if result.fits() is False:
         raise MemoryRefused(result.verdict())
     if main:
-        log.info("%s", result.verdict())
+        log.info("%s%s", result.verdict(), " (the plan of an earlier run: plan_cache)" if source == "cache" else "")
 
 
 def _plan_here(cfg: Config, world: int, gpu: int | None, on_gpu: bool, modes: dict[str, Any]) -> tuple[str, Any]:
@@ -1019,4 +1053,4 @@ def _plan_in_child(cfg: Config, world: int, gpu: int | None, on_gpu: bool, modes
         try:
             return pool.submit(_plan_here, cfg, world, gpu, on_gpu, modes).result()
         except Exception as e:  # the child died (out of host memory): say so, the run goes on
-            return "failed", f"{type(e).__name__}: {e}"
+            return "died", f"{type(e).__name__}: {e}"

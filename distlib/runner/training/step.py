@@ -14,11 +14,15 @@ The trainer sees only ``TrainStep``; ``build_step`` alone picks the implementati
   distlib/parallel/comm_fallback.py).
 
 Every step runs forward, backward, the gradient sync, the optimizer step and ``post_step`` (the
-weight EMA's update; inside the graph when there is one), and returns this rank's mean loss
-(not synced). Loss scaling (fp16) and gradient clipping are the shared ``OptimizerStep``'s
-(runner/training/optimizer_step.py), run only on the averaged gradients; the clipping norm is the sync's
-``clip_grad_norm_``, the global norm whether the gradients are replicated or sharded. Calling a step is a collective:
-every rank must call it alike.
+weight EMA's update; inside the graph when there is one), and returns this rank's share of the
+step's loss (not synced: its mean over the ranks is the step's loss). The loss optimised is the
+step's mean over its trained targets (runner/tasks/losses.py, docs/loss.md): before the forward one
+all-reduce counts them (N) over every rank and micro-batch, and each micro-batch's summed loss is
+scaled by world size / N, so that the gradient syncs' average over the ranks gives
+sum(loss) / N whatever the world size and ``grad_accum``. Loss scaling (fp16) and gradient clipping
+are the shared ``OptimizerStep``'s (runner/training/optimizer_step.py), run only on the averaged
+gradients; the clipping norm is the sync's ``clip_grad_norm_``, the global norm whether the
+gradients are replicated or sharded. Calling a step is a collective: every rank must call it alike.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ import distlib
 from distlib.distributed.process_group import Context, EnvError
 from distlib.parallel.comm_fallback import Replicas, node_devices
 from distlib.runner.config import Config, ConfigError
-from distlib.runner.tasks.losses import LossFn, cross_entropy
+from distlib.runner.tasks.losses import LossFn, StepLoss, cross_entropy, trained
+from distlib.runner.training.batch import Inputs, call_model, flatten, micro_batch, unflatten
 from distlib.runner.training.compilation import apply_block_settings, compiled_loss
 from distlib.runner.training.float8 import scale_refresh
 from distlib.runner.training.optimizer_step import OptimizerSpec, OptimizerStep, autocast_dtype
@@ -48,11 +53,20 @@ class TrainStep:
     optimizer: torch.optim.Optimizer
     modules: list[nn.Module]  # every module the step changes (the model and any replicas of it)
     update: OptimizerStep  # unscale, clip and step, on the averaged gradients
+    trained: torch.Tensor  # the last step's trained targets, over every rank (on the device)
+    ranks: int = 1  # over which the gradient sync averages a loss
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: Inputs, y: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def warm_up(self, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
+    def count(self, y: torch.Tensor) -> torch.Tensor:
+        """The step's trained targets N over every rank (one all-reduce; a collective), kept in
+        ``trained``; returns the scale of a summed loss: world size / N (N at least 1: a step with
+        nothing trained has a zero loss and zero gradients)."""
+        self.trained = n = distlib.all_reduce(trained(y))
+        return self.ranks / n.clamp(min=1).to(torch.float32)
+
+    def warm_up(self, x: Inputs, y: torch.Tensor, steps: int) -> None:
         """Run ``steps`` real steps on ``(x, y)`` (cuDNN autotuning, lazy set-up, graph capture),
         then put the weights, buffers and optimizer state back as they were. A collective."""
         scaler = self.update.scaler
@@ -84,9 +98,10 @@ class GradSyncStep(TrainStep):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         sync: distlib.GradSync | distlib.FSDPSync,
-        loss_of: LossFn,  # (inputs, targets) -> mean loss, the model's forward inside
+        loss_of: Callable[..., tuple[torch.Tensor, torch.Tensor]],  # (inputs, targets) -> StepLoss.parts
         *,
         update: OptimizerStep,
+        ranks: int = 1,
         grad_accum: int = 1,
         cuda_graph: bool = False,
         post_step: Callable[[], None] | None = None,
@@ -100,25 +115,34 @@ class GradSyncStep(TrainStep):
         self.modules = [model]
         self.update = update
         self.grad_accum = grad_accum
+        self.ranks = ranks
+        self._keys: list[str] | None = None  # a mapping's keys, in the order the graph takes its tensors
         if cuda_graph and update.scaler is not None:  # load_config refuses this; a GradScaler's step syncs the host
             raise ValueError("a captured CUDA-graph step cannot run a GradScaler")
         # the whole step as one CUDA graph, or None: eager (with a warning saying why, if it was asked for)
-        self.graph = build_train_step(cuda_graph, model, optimizer, loss_of, sync, grad_accum=grad_accum,
+        self.graph = build_train_step(cuda_graph, model, optimizer, self._graph_loss, sync, grad_accum=grad_accum,
                                       before_step=update.clip if update.clip_grad_norm > 0 else None,
                                       post_step=post_step)  # fmt: skip
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _graph_loss(self, *inputs: torch.Tensor) -> torch.Tensor:
+        *x, y, scale = inputs  # the scale a static input too: each replay reads this step's
+        total, mean = self.loss_of(unflatten(x, self._keys), y)
+        return total * scale + mean
+
+    def __call__(self, x: Inputs, y: torch.Tensor) -> torch.Tensor:
+        scale = self.count(y)  # before the forward: the count's all-reduce overlaps nothing it waits for
         if self.graph is not None:  # forward, backward, all_reduce and SGD: one graph replay
-            return self.graph(x, y)
+            tensors, self._keys = flatten(x)
+            return self.graph(*tensors, y, scale)
         n = self.grad_accum
-        micro = x.shape[0] // n
-        loss = torch.zeros((), device=x.device)
+        loss = torch.zeros((), device=y.device)
         for k in range(n):
             with contextlib.nullcontext() if k == n - 1 else self.sync.no_sync():
-                micro_loss = self.loss_of(x[k * micro : (k + 1) * micro], y[k * micro : (k + 1) * micro])
-                self.update.scale(micro_loss / n).backward()
+                total, mean = self.loss_of(micro_batch(x, k, n), micro_batch(y, k, n))
+                micro_loss = total * scale + mean / n
+                self.update.scale(micro_loss).backward()
                 self.sync.wait()
-            loss += micro_loss.detach() / n
+            loss += micro_loss.detach()
         self.update.step()  # after wait(): the averaged gradients, the same on every rank
         if self.post_step is not None:
             self.post_step()
@@ -151,7 +175,7 @@ class ReplicasStep(TrainStep):
         self,
         replicas: Replicas,
         optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,  # (outputs, targets) -> mean loss of a shard
+        loss_fn: StepLoss,
         *,
         update: OptimizerStep,
         autocast_dtype: torch.dtype | None,
@@ -159,13 +183,25 @@ class ReplicasStep(TrainStep):
         post_step: Callable[[], None] | None = None,
     ):
         self.replicas, self.optimizer, self.update = replicas, optimizer, update
-        self.loss_fn = lambda out, y: update.scale(loss_fn(out, y))  # scaled on each replica's device
+        # Replicas averages a loss over the micro-batches and over every GPU of every node: a summed
+        # loss is scaled by (GPUs x grad_accum) / N, a mean one taken as it is
+        self.ranks = replicas.total_devices * grad_accum
+        self._scales = {d: torch.ones((), device=d) for d in replicas.devices}  # written in place: graphs read them
+
+        def scaled(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            total, mean = loss_fn.parts(out, y)
+            return update.scale(total * self._scales[y.device] + mean)  # scaled on each replica's device
+
+        self.loss_fn = scaled
         self.post_step = post_step
         self.modules = list(replicas.models)
         self.autocast_dtype = autocast_dtype
         self.grad_accum = grad_accum
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: Inputs, y: torch.Tensor) -> torch.Tensor:
+        scale = self.count(y)
+        for s in self._scales.values():
+            s.copy_(scale)
         scaled = self.replicas.train_step(
             x, y, self.loss_fn, autocast_dtype=self.autocast_dtype, grad_accum=self.grad_accum
         )
@@ -190,22 +226,23 @@ def build_step(
     optimizer: torch.optim.Optimizer | OptimizerSpec,
     per_rank: int,
     post_step: Callable[[], None] | None = None,
-    loss_fn: LossFn | None = None,
+    loss_fn: LossFn | StepLoss | None = None,
 ) -> TrainStep:
     """The step for ``cfg.dist.mode`` and ``cfg.dist.shard``, with its optimizer (``step.optimizer``),
     built from ``optimizer`` (a spec, or an optimizer already built over ``model``'s parameters;
     ``dist.shard=optimizer`` builds the sharded one from its class and groups). ``model``: with
     ``dist.shard=full`` the model from ``shard_model`` (Trainer.build_model). ``per_rank``: this
     process's batch. ``post_step``: run after each optimizer step (captured with it).
-    ``loss_fn(outputs, targets)``: the task's mean loss (default: cross-entropy with
-    train.label_smoothing). A collective (GradSync and Replicas start from rank 0's weights):
-    every rank must call it."""
+    ``loss_fn(outputs, targets)``: the task's loss (``StepLoss``, or a loss function: summed where it
+    takes ``reduction``; default: cross-entropy with train.label_smoothing). A collective (GradSync
+    and Replicas start from rank 0's weights): every rank must call it."""
     t, shard = cfg.train, cfg.dist.shard
     spec = optimizer if isinstance(optimizer, OptimizerSpec) else None
     dtype = autocast_dtype(t.precision, ctx.device)
     scaler = torch.amp.GradScaler(ctx.device.type) if dtype is torch.float16 else None
     if loss_fn is None:
         loss_fn = functools.partial(cross_entropy, label_smoothing=t.label_smoothing)
+    loss_fn = StepLoss.of(loss_fn)
     if cfg.dist.mode == "fallback":
         try:
             devices = node_devices(ctx.device, ctx.local_world_size)
@@ -222,7 +259,7 @@ def build_step(
                             post_step=post_step)  # fmt: skip
 
     whole = apply_block_settings(cfg, model)  # checkpointing and per-block compile, in place
-    loss_fn = compiled_loss(cfg, loss_fn)
+    parts = compiled_loss(cfg, loss_fn.parts)
     if shard == "full":
         sync = distlib.FSDPSync(model, accumulate=cfg.dist.accumulate)
         # FSDP2's mixed precision (shard_model's param_dtype) replaces autocast: the weights are
@@ -246,15 +283,15 @@ def build_step(
         opt = spec.build() if spec is not None else optimizer
     update = OptimizerStep(opt, scaler=scaler, clip_grad_norm=t.clip_grad_norm, clip_fn=sync.clip_grad_norm_)
 
-    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss_of(x: Inputs, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with autocast:
-            out = net(x)
+            out = call_model(net, x)
             if shard == "full":  # as autocast would: the loss's softmax and log in fp32
                 out = (_fp32(out[0]), *out[1:]) if isinstance(out, tuple) else _fp32(out)
-            return loss_fn(out, y)
+            return parts(out, y)
 
     # float8 all-gathers (dist.shard=full, fp8): the weights' scales for the next step's all-gathers,
     # computed once after the optimizer step in one all-reduce rather than per block during the forward
-    return GradSyncStep(model, opt, sync, loss_of, update=update, grad_accum=t.grad_accum,
+    return GradSyncStep(model, opt, sync, loss_of, update=update, ranks=ctx.world_size, grad_accum=t.grad_accum,
                         cuda_graph=t.cuda_graph, post_step=post_step,
                         refresh=scale_refresh(cfg, model))  # fmt: skip

@@ -46,6 +46,7 @@ from distlib.runner.observability.run_dir import RunDir
 from distlib.runner.observability.throughput import peak_memory_gib
 from distlib.runner.observability.timeline import Timeline
 from distlib.runner.tasks import Task, build_task
+from distlib.runner.training.batch import Inputs, to_device
 from distlib.runner.training.budget import Budget
 from distlib.runner.training.checkpoints import build_checkpoints
 from distlib.runner.training.compilation import load_compiler
@@ -92,6 +93,7 @@ class TrainState:
     elapsed_s: float = 0.0  # since the first step, evaluations and checkpoints included
     epoch_s: float = 0.0  # spent in epoch + 1 so far (non-zero only when stopped inside it)
     loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # this rank's, over epoch + 1 so far
+    trained_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # trained targets, every rank's, so far
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "step": self.step, "train_s": self.train_s, "elapsed_s": self.elapsed_s,
@@ -102,10 +104,12 @@ class TrainState:
         self.train_s, self.elapsed_s, self.epoch_s = state["train_s"], state["elapsed_s"], state["epoch_s"]
 
     def rank_state_dict(self) -> dict[str, Any]:
-        return {"loss_sum": self.loss_sum}
+        return {"loss_sum": self.loss_sum, "trained_sum": self.trained_sum}
 
     def load_rank_state_dict(self, state: dict[str, Any]) -> None:
         self.loss_sum = state["loss_sum"].to(self.loss_sum.device)
+        if "trained_sum" in state:  # a checkpoint written before it was kept: the row's fraction starts again
+            self.trained_sum = state["trained_sum"].to(self.loss_sum.device)
 
 
 class Trainer:
@@ -120,7 +124,9 @@ class Trainer:
         self.log = distlib.get_logger()
         if ctx.is_main and (hint := bytecode_hint()):
             self.log.warning(hint)
-        self.state = TrainState(loss_sum=torch.zeros((), device=ctx.device))  # where each step adds its loss
+        # where each step adds its loss, and its trained targets
+        self.state = TrainState(loss_sum=torch.zeros((), device=ctx.device),
+                                trained_sum=torch.zeros((), device=ctx.device))  # fmt: skip
         self.progress = TrainingProgress(cfg.run.progress, enabled=ctx.is_main)  # rank 0 only
         p = cfg.profile
         self.profiler = StepProfiler(os.path.join(cfg.run.out_dir, "profile"), ctx.rank, ctx.device,
@@ -317,7 +323,9 @@ class Trainer:
         self.checkpoints.finish()  # the final checkpoint, written meanwhile: committed after the last row
         self.timeline.mark("checkpoint")  # what is left of its write after the evaluation and the sample
         if self._final_save_t0 is not None:
-            self.timeline.note(final_checkpoint_s=round(time.perf_counter() - self._final_save_t0, 3))
+            # and its phases (the copies to the host, the writes, the fsync, the commit: checkpoints.py)
+            self.timeline.note(final_checkpoint_s=round(time.perf_counter() - self._final_save_t0, 3),
+                               final_checkpoint_phases=self.checkpoints.phases)  # fmt: skip
         self.finished_rows = self.run.read_metrics()  # the summary is printed after the teardown
         self.metrics.training_done()  # curves.png appears shortly after the exit; trackers' runs finished
         self.timeline.mark("plot")
@@ -328,13 +336,15 @@ class Trainer:
             return self.stop.exit_code
         return 0
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """One optimizer step (the EMA's update included), the schedule."""
+    def train_step(self, x: Inputs, y: torch.Tensor) -> None:
+        """One optimizer step (the EMA's update included), the schedule. ``x``: a tensor, or a mapping
+        of tensors (the model called with ``model(**x)``)."""
         device = self.ctx.device
         if self.ema is not None:
             self.ema.set_decay(ema_decay(self.cfg.train.ema, self.global_step))
-        loss = self.step_fn(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        loss = self.step_fn(to_device(x, device), y.to(device, non_blocking=True))
         self.state.loss_sum += loss
+        self.state.trained_sum += self.step_fn.trained
         self.state.step += 1
         self.scheduler.step()
         self.profiler.step()
@@ -347,7 +357,7 @@ class Trainer:
         s, device, budget = self.state, self.ctx.device, self.budget
         epoch = s.epoch + 1
         if s.step == 0:
-            s.epoch_s, s.loss_sum = 0.0, torch.zeros((), device=device)
+            s.epoch_s, s.loss_sum, s.trained_sum = 0.0, torch.zeros((), device=device), torch.zeros((), device=device)
         last = min(len(self.loader), budget.total_steps - s.epoch * len(self.loader))  # the budget may end it early
         t0 = time.perf_counter() - s.epoch_s
         # this epoch's order, however the last pass ended: cut short by the budget's islice, an
@@ -393,6 +403,7 @@ class Trainer:
         evaluates = budget.evaluates(step)
         logs = ends_epoch or evaluates
         train_loss = distlib.all_reduce(s.loss_sum.clone(), op="mean").item() / steps if logs else 0.0
+        trained_frac = s.trained_sum.item() / (steps * t.batch_size * self.task.per_sample) if logs else 1.0
         train_metrics = self.task.train_metrics() if logs else {}
         if ends_epoch:
             s.epoch, s.step, s.train_s, s.epoch_s = epoch, 0, s.train_s + s.epoch_s, 0.0
@@ -415,7 +426,7 @@ class Trainer:
                 "train_loss": round(train_loss, 5),  # the mean over this epoch's steps so far
                 **train_metrics,  # a mixture of experts' aux_loss: the mean since the last row
                 **results,
-                **self.task.rates(samples_per_s, self.model),
+                **self.task.rates(samples_per_s, self.model, trained_frac=trained_frac),
                 "samples_per_s": round(samples_per_s, 1),
                 "epoch_s": round(epoch_s, 3),
                 "train_s": round(s.train_s + s.epoch_s, 3),  # the final evaluation's included
