@@ -344,3 +344,14 @@ def test_adapters_train_on_conversations(tmp_path):
         moved = [k for k in r["after"] if not torch.equal(r["after"][k], r["before"][k])]
         assert moved and all(_adapter(k) for k in moved)
         assert any(".lora_B." in k for k in moved)
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_tiny_on_the_cpu(capsys):
+    """bench/lora.py at tiny shapes: every case runs in its process and gives its row."""
+    from bench import lora as bench
+
+    assert bench.main(["--tiny", "--steps", "1", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    for case in bench.CASES:
+        assert f"| {case} |" in out
