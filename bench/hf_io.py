@@ -24,7 +24,7 @@ What it does, in order:
    tokens, the folder evicted first): its ``model`` stage from summary.json (the model, its read,
    the optimizer and the training step's set-up, and the first import of transformers' model
    classes, which the timed loads above leave out) and the final checkpoint it saves.
-4. Export: ``distlib.runner.hf.export.export(RUN_DIR, OUT_DIR)`` of that run's checkpoint, timed with
+4. Export: ``distlib.runner.models.export.export(RUN_DIR, OUT_DIR)`` of that run's checkpoint, timed with
    the fsync of the files it wrote (export fsyncs its model.safetensors itself; config.json is left
    to this), median of ``--repeats``, twice: with the checkpoint cold (evicted first) and warm (its
    files read once before, as the run that wrote them leaves them in the page cache); then the
@@ -180,7 +180,7 @@ def make_folder(args: argparse.Namespace, config: dict) -> dict:
     import torch
     import transformers
 
-    from distlib.runner.hf.export import DTYPES
+    from distlib.runner.models.export import DTYPES
     from distlib.runner.models.hf_causal_lm import build_config
 
     cfg = build_config(config)
@@ -357,7 +357,7 @@ def export_once(args: argparse.Namespace, run_dir: str, out: str, checkpoint: li
                 ) -> tuple[float, float]:  # fmt: skip
     """(seconds of export(), seconds with the fsync of what it wrote), the checkpoint evicted first
     (``cold``) or read once before."""
-    from distlib.runner.hf.export import export
+    from distlib.runner.models.export import export
 
     shutil.rmtree(out, ignore_errors=True)
     if cold:

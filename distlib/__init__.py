@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 # where used. `collectives` is the module itself.
 _WHERE: dict[str, str] = {
     "Checkpointer": "distlib.checkpoint.checkpointer",
-    "CheckpointError": "distlib.checkpoint.checkpointer",
+    "CheckpointError": "distlib.checkpoint.state",
     "EpochLoader": "distlib.data.sampler",
     "ExactDistributedSampler": "distlib.data.sampler",
     "LoaderError": "distlib.data.sampler",
@@ -91,8 +91,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what static tools read: the same names, imported
-    from distlib.checkpoint.checkpointer import Checkpointer, CheckpointError
+    from distlib.checkpoint.checkpointer import Checkpointer
     from distlib.checkpoint.sharded import ShardedCheckpointer, export_checkpoint
+    from distlib.checkpoint.state import CheckpointError
     from distlib.data.sampler import EpochLoader as EpochLoader  # returned by distributed_loader; kept importable
     from distlib.data.sampler import ExactDistributedSampler, LoaderError, distributed_loader
     from distlib.distributed import collectives

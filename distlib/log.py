@@ -30,6 +30,14 @@ class _RankHandler(logging.StreamHandler):
         pass
 
 
+def write_line(line: str) -> None:
+    """``line`` and its newline to stderr in one write, flushed. ``print`` writes the newline apart: where
+    the ranks' stderr is one pipe (torchrun's console, unbuffered under PYTHONUNBUFFERED) two ranks
+    failing at once could write their lines into one another."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def set_rank(rank: int) -> None:
     global _rank
     _rank = rank

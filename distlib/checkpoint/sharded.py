@@ -9,6 +9,7 @@ out of that name first (layout.py). docs/reliability.md.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -18,7 +19,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -38,10 +39,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.utils._pytree import tree_map_only
 
-from distlib.checkpoint.checkpointer import CheckpointError, differences
 from distlib.checkpoint.integrity import crc32_on, file_crc32, file_sha256, records_intact, seal, unseal
 from distlib.checkpoint.layout import COMMITTED, PARTIAL, discard, fsync_dir, leftovers, step_name
 from distlib.checkpoint.staging import pin_in_place
+from distlib.checkpoint.state import CheckpointError, differences
 from distlib.distributed import collectives, process_group
 from distlib.log import get_logger
 
@@ -115,6 +116,24 @@ def _layout(state: Any, prefix: str = "") -> list[Any]:
         local = state.to_local() if hasattr(state, "to_local") else state
         return [(prefix, tuple(local.shape), local.dtype, local.device)]
     return []
+
+
+# what torch says whenever a ShardedTensor (a ShardedOptimizer's state) is used as a tensor
+SHARDED_TENSOR_DEPRECATED = "Please use DTensor instead and we are deprecating ShardedTensor"
+
+
+@contextlib.contextmanager
+def _sharded_tensors_quiet() -> Iterator[None]:
+    """torch's FutureWarning that ShardedTensor is deprecated, held back. A ShardedOptimizer's state is
+    ShardedTensors (a rank's range of each flat parameter: DTensor cannot shard unevenly), and their
+    shape, dtype and device go through ``__torch_function__``, which torch has deprecated: a warning
+    per rank in every optimizer-sharded save and resume (from our layout, torch's host copy and
+    DCP's planner) that the user can do nothing about. On the calling thread (save, resume): an async
+    save's background write uses no ShardedTensor as a tensor, and no catch_warnings of its own that
+    could race this one."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SHARDED_TENSOR_DEPRECATED, category=FutureWarning)
+        yield
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -487,6 +506,7 @@ class ShardedCheckpointer:
 
     # ---- save -----------------------------------------------------------------------------
 
+    @_sharded_tensors_quiet()
     def save(self, step: int, objects: Mapping[str, Any], *, async_: bool = False, in_place: bool = False) -> None:
         """Write a checkpoint of ``objects`` (name -> module, optimizer, scheduler, plain dict, ...) at ``step``.
 
@@ -803,6 +823,7 @@ class ShardedCheckpointer:
                     return f"{file}: checksum mismatch (the file is corrupted)"
         return None
 
+    @_sharded_tensors_quiet()
     def resume(self, objects: Mapping[str, Any], *, fallback: bool = False) -> int | None:
         """Load the newest committed checkpoint into ``objects`` in place; returns its step, or None when
         there is none (a fresh start). Every rank reads the parts of the shards it holds itself.

@@ -109,13 +109,13 @@ def _child_main(argv: list[str]) -> int:
         if time.monotonic() - last < deadline:
             continue
         state = _process_state(parent)
-        print(
+        # the line and its newline in one write, as distlib.log.write_line (this script imports no distlib)
+        sys.stderr.write(
             f"[distlib watchdog] rank {rank} (pid {parent} on {socket.gethostname()}) has not run for "
             f"{deadline:.3g} s{'; process state ' + state if state else ''}: it stalled. "
-            "Killing it with SIGKILL so that the job ends instead of hanging.",
-            file=sys.stderr,
-            flush=True,
+            "Killing it with SIGKILL so that the job ends instead of hanging.\n"
         )
+        sys.stderr.flush()
         try:
             os.kill(parent, signal.SIGKILL)
         except ProcessLookupError:

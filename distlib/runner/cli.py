@@ -18,7 +18,8 @@ def _stopped_while_importing(signum: int, frame: object) -> None:
     128 + the signal, as later in the start (an import cut by KeyboardInterrupt would print a traceback,
     and SIGTERM's default action would end the process without a word)."""
     name = "" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"
-    print(f"error: interrupted{name}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"error: interrupted{name}\n")  # the line and its newline in one write (distlib.log.write_line)
+    sys.stderr.flush()
     os._exit(128 + signum)
 
 

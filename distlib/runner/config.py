@@ -549,13 +549,30 @@ def _check_components(cfg: Config, problems: list[str]) -> None:
                             "vocabulary size; the config class's default is some other model's)")  # fmt: skip
 
 
-def load_config(recipe: str | os.PathLike | None, overrides: list[str] = (), check_components: bool = True) -> Config:
+def _check_device(cfg: Config, problems: list[str]) -> None:
+    """What the device this process trains on cannot run: the device ``distlib.init`` binds, a CUDA GPU
+    with dist.backend nccl, or auto where one is visible, else the CPU."""
+    import torch
+
+    cuda = cfg.dist.backend == "nccl" or (cfg.dist.backend == "auto" and torch.cuda.is_available())
+    attn = cfg.model.args.get("attn_implementation") if cfg.model.name == "hf_causal_lm" else None
+    if attn == "flex_attention" and not cuda:
+        why = "dist.backend=gloo" if torch.cuda.is_available() else "no CUDA GPU is visible"
+        problems.append(f"model.args.attn_implementation=flex_attention: torch's flex attention has no backward on "
+                        f"the CPU, where this run would train ({why}); use sdpa or eager (auto: the fastest the "
+                        "family allows), or train on CUDA GPUs")  # fmt: skip
+
+
+def load_config(
+    recipe: str | os.PathLike | None, overrides: list[str] = (), check_components: bool = True, launch: bool = False
+) -> Config:
     """Build the run config from a YAML recipe (or defaults) and CLI overrides.
 
     Raises ConfigError listing every problem found. ``check_components=False`` leaves out the checks
     of what running it needs on this machine (the named data set, model and loss: their files and
     imports; the extras its outputs need): a finished run's config, read for its values (the export)
-    where those may be gone.
+    where those may be gone. ``launch``: the run trains in this process: also what its device cannot
+    run (a config read to plan another machine's run, or to look at, is not refused for it).
     """
     problems: list[str] = []
     cfg = Config()
@@ -581,6 +598,8 @@ def load_config(recipe: str | os.PathLike | None, overrides: list[str] = (), che
         if parsed is not None:
             _apply(cfg, parsed, "", problems)
     _validate(cfg, problems, components=check_components)
+    if launch:
+        _check_device(cfg, problems)
     if problems:
         raise ConfigError(problems)
     if not cfg.run.name:

@@ -40,7 +40,7 @@ def main(argv: list[str], timeline: Timeline | None = None) -> int:
     stop.catch(interrupt=True)
     cfg = trainer = failure = None
     try:
-        cfg = load_config(args.recipe, args.overrides)
+        cfg = load_config(args.recipe, args.overrides, launch=True)
         timeline.mark("config")
         check_before_launch(cfg)  # before anything is allocated: a step that cannot fit the GPU stops here
         timeline.mark("memory_plan")

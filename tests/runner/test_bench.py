@@ -661,3 +661,39 @@ def test_float8_bench_runs_tiny_on_the_cpu(tmp_path):
     assert curve.returncode == 0, curve.stdout[-3000:] + curve.stderr[-3000:]
     assert (tmp_path / "float8_curve.png").stat().st_size > 0
     assert "bf16 seed 0 | bf16 seed 1 | fp8 tensorwise seed 0 |" in curve.stdout
+
+
+@pytest.mark.slow
+def test_hf_dcp_compares_ours_and_dcps_hugging_face_storage_tiny_on_the_cpu(tmp_path):
+    """bench/hf_dcp.py on a tiny Llama: both loads fill the model with the file's tensors, both exports write
+    the same tensors, and a row of each operation carries the ratio and both peaks."""
+    out = tmp_path / "rows.jsonl"
+    cmd = [sys.executable, "-m", "bench.hf_dcp", "--size", "tiny", "--models", "llama", "--repeats", "1",
+           "--dir", str(tmp_path / "work"), "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out)]
+    assert [r["op"] for r in rows] == ["load", "export"] and all(r["equal"] for r in rows), rows
+    assert all(r["ours_s"] > 0 and r["theirs_s"] > 0 and r["theirs_over_ours"] > 0 for r in rows), rows
+    assert "| llama" in proc.stdout and "theirs / ours" in proc.stdout
+
+
+# ---- bench.startup -------------------------------------------------------------------------------
+def test_startup_parses_its_families_and_tables_each_runs_stages_and_save_phases():
+    from bench import startup
+
+    args = startup.parse_args(["--families=llama,gemma2", "--tiny"])
+    assert args.families == ["llama", "gemma2"] and args.tiny and args.steps == 10
+    with pytest.raises(SystemExit):
+        startup.parse_args(["--families=llama,nosuch"])
+    rows = [
+        {"family": "llama", "cache": "cold", "rc": 0, "imports_s": 2.1, "config_s": 3.9, "memory_plan_s": 4.2,
+         "init_s": 0.8, "data_s": 0.1, "loader_s": 0.0, "compiler_s": 1.5, "model_s": 0.6, "warmup_s": 12.0,
+         "to_first_step_s": 25.3, "final_checkpoint_s": 9.0, "train_s": 5.0, "eval_s": 0.2, "command_s": 45.0,
+         "beyond_s": 39.8, "save_phases": {"to_host_s": 2.0, "write_s": 5.5, "fsync_s": 1.25, "commit_s": 0.1}},
+        {"family": "gemma2", "cache": "warm", "rc": 1, "note": "boom"},
+    ]  # fmt: skip
+    text = startup.table(rows)
+    assert ("| llama | cold | 2.1 | 3.9 | 4.2 | 0.8 | 0.1 | 0.0 | 1.5 | 0.6 | 12.0 | 25.3 | "
+            "9.0 (2.0 / 5.5 / 1.2 / 0.1) | 5.0 | 0.2 | 45.0 | 39.8 |") in text  # fmt: skip
+    assert "| gemma2 | warm | failed: boom |" in text

@@ -377,3 +377,79 @@ def test_the_sft_demo_learns_to_answer(tmp_path):
     before = answer_accuracy(untrained, data, ctx, torch.autocast("cpu", enabled=False))
     print(f"sft demo: answer_accuracy {before} untrained, {trained} trained, {rows[-1]['train_s']} s of training")
     assert before <= 0.05 and trained >= 0.5, (before, trained)
+
+
+def _train_chat(ctx, overrides: list[str], out_dir: str, stop_after: int) -> dict:
+    """One rank of a chat run that records the targets it trains on (``stop_after`` > 0: rank 0 gets
+    a SIGTERM after that many steps of this process)."""
+    import signal
+
+    from distlib.runner.training.trainer import Trainer
+    from tests.runner.test_trainer import built
+
+    seen, step = [], Trainer.train_step
+
+    def recording_step(self, x, y):
+        seen.append((self.state.epoch * len(self.loader) + self.state.step, x["input_ids"].tolist(), y.tolist()))
+        step(self, x, y)
+        if stop_after and ctx.rank == 0 and len(seen) == stop_after:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    Trainer.train_step = recording_step
+    cfg = load_config(os.path.join(ROOT, "recipes", "sft_demo.yaml"), [*overrides, f"run.out_dir={out_dir}"])
+    with built(cfg, ctx) as trainer:
+        code = trainer.fit()
+        weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return {"code": code, "seen": seen, "weights": weights, "steps": len(trainer.loader)}
+
+
+@pytest.mark.slow
+def test_a_chat_run_stopped_mid_epoch_resumes_to_the_uninterrupted_batches_and_weights(tmp_path, tok_dir):
+    import signal
+
+    data = _chat_rows(tmp_path / "rows.jsonl", 90, 4)
+    o = [f"data.root={data}", f"data.args.tokenizer={tok_dir}", "data.args.max_length=48", "data.args.eval_answers=0",
+         f"data.cache_dir={tmp_path}", "model.args.config.max_position_embeddings=48", "train.epochs=2",
+         "train.batch_size=4", "run.checkpoint_every=1", "run.progress=plain"]  # fmt: skip
+    ref = run_ranks(_train_chat, 2, o, str(tmp_path / "ref"), 0, timeout=400)
+    steps = ref[0]["steps"]
+    stopped = run_ranks(_train_chat, 2, o, str(tmp_path / "run"), steps + 2, timeout=400)
+    resumed = run_ranks(_train_chat, 2, o, str(tmp_path / "run"), 0, timeout=400)
+    assert all(r["code"] == 128 + signal.SIGTERM for r in stopped)
+    done = len(stopped[0]["seen"])
+    assert steps < done < 2 * steps  # mid-epoch, in epoch 2
+    for a, b, c in zip(stopped, resumed, ref):  # every rank: its batches before the stop and after, as uninterrupted
+        assert a["seen"] + b["seen"] == c["seen"]
+        assert all(torch.equal(b["weights"][k], c["weights"][k]) for k in c["weights"])
+
+
+@pytest.mark.slow
+def test_the_sft_benchmark_runs_its_three_modes_on_the_cpu():
+    cmd = [sys.executable, "bench/sft.py", "--recipe", "recipes/sft_demo.yaml", "--docs", "12", "--seq", "64",
+           "--mean", "20", "--batch", "2", "--warmup", "1", "--no-compile"]  # fmt: skip
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = [line for line in r.stdout.splitlines() if line.startswith("RESULT")]
+    rows = [dict(kv.split("=") for kv in line.split()[1:]) for line in results]
+    assert [row["mode"] for row in rows] == ["packed", "padded", "hf-loop"]
+    assert len({row["trained_tokens"] for row in rows}) == 1  # the same documents each way
+    assert int(rows[0]["steps"]) < int(rows[1]["steps"])  # packed: fewer rows
+
+
+def test_parquet_and_a_dataset_folder_read_as_the_json_lines(tmp_path, tok_dir):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    datasets = pytest.importorskip("datasets")
+    rows = [{"messages": c["messages"], "tools": json.dumps(c["tools"]) if "tools" in c else ""}
+            for c in CONVERSATIONS * 6]  # fmt: skip
+    rows = [{**r, "messages": [{"role": m["role"], "content": m["content"], "train": m.get("train", True)}
+                               for m in r["messages"]]} for r in rows]  # fmt: skip
+    jsonl = write_jsonl(tmp_path / "rows.jsonl", rows)
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "rows.parquet"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "folder"))
+    kw = dict(tokenizer=tok_dir, max_length=96, val_frac=0.0, cache_dir=str(tmp_path / "c"))
+    ref = load_chat(jsonl, **kw)
+    assert ref.stats["documents"] == 12 and ref.stats["rows"] == 12
+    for root in (tmp_path / "rows.parquet", tmp_path / "folder"):
+        got = load_chat(str(root), **kw)
+        assert all(np.array_equal(got.train[k], ref.train[k]) for k in ref.train), root

@@ -79,7 +79,7 @@ def test_the_final_checkpoint_is_the_weights_alone_or_nothing(tmp_path):
     python -m distlib.runner.export writes the trained weights from the newest (the final weights,
     not a periodic checkpoint's); =none: neither."""
     from distlib.runner.hf.dcp_tensors import CheckpointTensors
-    from distlib.runner.hf.export import export, load_gpt
+    from distlib.runner.models.export import export, load_gpt
 
     out = tmp_path / "weights"
     overrides = ["run.final_checkpoint=weights", "run.checkpoint_every_steps=3", f"run.out_dir={out}"]

@@ -247,14 +247,16 @@ def test_a_sharded_safetensors_folder_loads_under_full_sharding_each_rank_readin
 # ---- built from a config -----------------------------------------------------------------------
 def test_built_from_a_config_it_initialises_as_transformers_does_in_every_shard_mode(folder, tmp_path, world_size_1):
     """The weights have transformers' initialisation (normal(0, initializer_range) matrices, unit
-    norms), also when materialised shard by shard; its blocks are the decoder layers, each one
-    sharded by FSDP2 under dist.shard=full; the embedding stays tied."""
+    norms, the padding token's row zero: row 7, where row 0 would hide a row zeroed in the wrong
+    place), the same in every mode, also when materialised shard by shard; its blocks are the decoder
+    layers, each one sharded by FSDP2 under dist.shard=full; the embedding stays tied."""
     from torch.distributed.fsdp import FSDPModule
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     root, _ = folder
     ctx = distlib.init("gloo")
-    config = {**TINY, "hidden_size": 64, "intermediate_size": 128, "initializer_range": 0.05}
+    config = {**TINY, "hidden_size": 64, "intermediate_size": 128, "initializer_range": 0.05, "pad_token_id": 7}
+    first = None
     for shard in SHARDS:
         cfg = load_config(recipe(root, str(tmp_path / shard), {"config": config}), [f"dist.shard={shard}"])
         with built(cfg, ctx) as trainer:
@@ -264,7 +266,11 @@ def test_built_from_a_config_it_initialises_as_transformers_does_in_every_shard_
             assert len(blocks) == 2 and all(isinstance(b, LlamaDecoderLayer) for b in blocks)
             assert all(isinstance(b, FSDPModule) for b in blocks) == (shard == "full")
             assert model.hf.lm_head.weight is model.hf.model.embed_tokens.weight
+        embedding = w["hf.model.embed_tokens.weight"]
+        assert not embedding[7].any() and embedding[0].all(), shard
+        first = first or w
         for k, v in w.items():
+            assert torch.equal(v, first[k]), (shard, k)
             if k.endswith("norm.weight"):
                 assert torch.equal(v, torch.ones_like(v)), (shard, k)
             elif v.ndim == 2:
@@ -572,9 +578,9 @@ def test_an_exported_run_loads_with_from_pretrained_and_gives_its_validation_los
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from distlib.runner.hf import export as export_module
     from distlib.runner.hf.dcp_tensors import CheckpointTensors
-    from distlib.runner.hf.export import export, model_state
+    from distlib.runner.models import export as export_module
+    from distlib.runner.models.export import export, model_state
 
     root, _ = folder
     out = str(tmp_path / "run")
@@ -609,7 +615,7 @@ def test_the_gpt_exports_as_safetensors_and_its_config_and_other_models_are_refu
     """The built-in GPT: model.safetensors (the tied output layer once) and config.json, which
     load_gpt builds back with the run's weights; a model by import path is an error naming what
     to use instead, and so is a folder that is no run (exit status 2 from the command line)."""
-    from distlib.runner.hf.export import ExportError, export, load_gpt, main, model_state
+    from distlib.runner.models.export import ExportError, export, load_gpt, main, model_state
 
     out = str(tmp_path / "gpt")
     cfg = load_config(os.path.join(ROOT, "recipes", "gpt_demo.yaml"),

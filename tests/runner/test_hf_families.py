@@ -33,7 +33,7 @@ SMALL = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=64,
-    pad_token_id=0,
+    pad_token_id=3,  # not 0: a row zeroed or skipped in the wrong place shows
     bos_token_id=1,
     eos_token_id=2,
 )
@@ -63,7 +63,7 @@ FAMILIES = {
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
                         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
                         q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                        max_position_embeddings=64, pad_token_id=3, bos_token_id=1, eos_token_id=2),
 }  # fmt: skip
 MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}  # with a load-balancing loss (deepseek_v3 balances without one)
 SLOW = {"deepseek_v3", "gemma3_text", "qwen2_moe", "granite", "olmo2", "mistral", "qwen3", "gemma"}
@@ -137,7 +137,7 @@ def test_a_family_trains_from_either_save_format_as_transformers_in_every_mode(f
     fp32 loads with from_pretrained to the final weights, bit for bit."""
     from transformers import AutoModelForCausalLM
 
-    from distlib.runner.hf.export import export
+    from distlib.runner.models.export import export
 
     saved = save_family(tmp_path, family)
     if family == "gpt_neox":  # the original format is what real checkpoints carry: embed_out
@@ -255,6 +255,32 @@ def test_attention_is_the_fastest_the_family_allows_and_what_transformers_refuse
             assert name in e.value.problems[0], e.value.problems[0]
 
 
+def test_flex_attention_is_refused_at_launch_where_the_run_would_train_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """Flex attention has no backward on the CPU: a launch that would train there stops at the check,
+    one problem line and exit 2 (not a traceback at the first backward); a CUDA GPU with the nccl or
+    auto backend passes; a config read to plan or to look at is not refused."""
+    import launch
+
+    flex = ["model.args.attn_implementation=flex_attention", "train.max_steps=1", f"run.out_dir={tmp_path / 'run'}"]
+    demo = os.path.join(ROOT, "recipes", "llama_demo.yaml")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    load_config(demo, flex)  # to plan or to look at
+    with pytest.raises(ConfigError) as e:
+        load_config(demo, flex, launch=True)
+    (problem,) = e.value.problems
+    assert problem.startswith("model.args.attn_implementation=flex_attention: ") and "no CUDA GPU" in problem
+    assert launch.main([demo, *flex]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error: ") == 1 and "flex attention has no backward on the CPU" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    load_config(demo, flex, launch=True)
+    load_config(demo, [*flex, "dist.backend=nccl"], launch=True)
+    with pytest.raises(ConfigError) as e:
+        load_config(demo, [*flex, "dist.backend=gloo"], launch=True)
+    assert "(dist.backend=gloo)" in e.value.problems[0]
+
+
 def test_a_command_line_override_changes_one_key_of_the_config_and_null_drops_it(text, tmp_path):
     """model.args.config.x=... merges into the recipe's config (its other keys kept, at any depth),
     an inline mapping too, which reaches transformers as a mapping; a key the recipe sets that another
@@ -306,7 +332,7 @@ def test_a_run_keeps_the_model_config_and_tokenizer_so_that_export_needs_nothing
     from transformers import AutoModelForCausalLM
 
     import distlib
-    from distlib.runner.hf.export import export
+    from distlib.runner.models.export import export
 
     folder = tmp_path / "folder"
     save_family(folder, "qwen3_moe")

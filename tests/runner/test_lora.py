@@ -162,7 +162,7 @@ def test_the_adapters_export_as_peft_saves_them_and_merged_as_a_transformers_fol
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from distlib.runner.hf.export import main
+    from distlib.runner.models.export import main
     from distlib.runner.models.lora import lora_config
 
     root, _ = folder

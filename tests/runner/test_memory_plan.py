@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from distlib.runner.config import load_config
-from distlib.runner.training import memory_plan
+from distlib.runner.training import memory_plan, plan_cache
 from distlib.runner.training.memory_plan import fake_world, measure_step, plan, step_memory, step_spec
 from tests.conftest import ROOT
 
@@ -19,7 +19,8 @@ from tests.conftest import ROOT
 @pytest.fixture(autouse=True)
 def _in_root(monkeypatch, world_size_1, tmp_path):
     monkeypatch.chdir(ROOT)  # the recipes' relative paths
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile"))  # plans kept at launch: the test's
+    # the plans kept at launch: the test's own (torch.compile's cache stays the user's: its kernels warm)
+    monkeypatch.setattr(plan_cache, "cache_dir", lambda cfg: str(tmp_path / "plans"))
 
 
 def _tiny(*overrides: str):

@@ -16,10 +16,11 @@ import time
 import pytest
 
 from distlib.runner.config import ConfigError, load_config
-from distlib.runner.observability.metrics import Metrics, MetricSink, MLflowSink, WandbSink, scalars
+from distlib.runner.observability.metrics import MLflowSink, WandbSink
 from distlib.runner.observability.plots import CurvePlot
 from distlib.runner.observability.progress import TrainingProgress
 from distlib.runner.observability.run_dir import RunDir
+from distlib.runner.observability.sink import Metrics, MetricSink, scalars
 from distlib.runner.observability.tensorboard import TensorBoardLog
 from tests.conftest import ROOT, run_ranks
 from tests.runner.test_trainer import metrics

@@ -17,7 +17,7 @@ from tests.conftest import ROOT
 @pytest.fixture(autouse=True)
 def _in_root(monkeypatch, world_size_1, tmp_path):
     monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile"))
+    monkeypatch.setattr(plan_cache, "cache_dir", lambda cfg: str(tmp_path / "plans"))  # the test's own plans
 
 
 def _counted(monkeypatch) -> list[int]:

@@ -26,8 +26,8 @@ print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules and m not in be
 
 
 def test_the_runners_entry_imports_no_optional_package():
-    entries = ["launch", "distlib.runner.training.trainer", "distlib.runner.training.memory_plan",
-               "distlib.runner.config"]  # fmt: skip
+    entries = ["launch", "distlib.runner.cli", "distlib.runner.main", "distlib.runner.training.trainer",
+               "distlib.runner.training.memory_plan", "distlib.runner.training.plan_cache"]  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", _PROBE.format(entries=entries, heavy=HEAVY)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -299,6 +299,51 @@ def test_three_ranks_one_lost_each_survivor_names_that_one_and_not_the_other_sur
         assert "rank 1 ended without a word" in err and f"rank {2 - rank}" not in err, err
 
 
+def _errors_at_once(ctx, lines: int) -> None:
+    """This rank's error line, ``lines`` times, at the moment the other ranks say theirs, on stderr as
+    PYTHONUNBUFFERED leaves it (each write straight to the file the ranks share)."""
+    import sys
+
+    import torch.distributed as dist
+
+    from distlib.errors import DistlibError
+    from distlib.runner.training import outcome
+
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    outcome.report = lambda code, message: None  # the store's round trip: no part of the printing
+    dist.barrier()
+    for i in range(lines):
+        assert outcome.exit_code(DistlibError(f"data.root: rank {ctx.rank} found bad input {i:04d}"), 30.0) == 2
+
+
+def test_error_lines_of_ranks_failing_at_once_stay_whole(capfd, monkeypatch):
+    """3 ranks print their error lines at once into one file: every line is one rank's whole line (the
+    newline written with it, not apart, where another rank's line could come in between), and so is a
+    configuration error of several lines."""
+    import re
+
+    from distlib.runner.config import ConfigError
+    from distlib.runner.training import outcome
+
+    capfd.readouterr()
+    run_ranks(_errors_at_once, 3, 300, timeout=120)
+    said = [line for line in capfd.readouterr().err.splitlines() if "found bad input" in line]
+    broken = [s for s in said if not re.fullmatch(r"error: data\.root: rank [0-2] found bad input \d{4}", s)]
+    assert len(said) == 900 and not broken, broken[:5]
+
+    class Writes:  # each write() of one error
+        def write(self, text: str) -> None:
+            writes.append(text)
+
+        def flush(self) -> None:
+            pass
+
+    writes: list[str] = []
+    monkeypatch.setattr("sys.stderr", Writes())
+    outcome.exit_code(ConfigError(["train.lr: expected float", "train.epochs: must be > 0"]), 0.0)
+    assert writes == ["error: invalid configuration:\n  - train.lr: expected float\n  - train.epochs: must be > 0\n"]
+
+
 def test_a_checkpoint_must_match_every_key_but_the_documented_free_ones():
     """docs/reliability.md: the model, the loss, train.* (except eval_every, tta, tta_translate,
     cuda_graph, prewarm_steps, cudnn_benchmark, compile, compile_backend, activation_checkpointing,

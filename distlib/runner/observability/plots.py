@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from distlib.runner.observability.metrics import MetricSink
+from distlib.runner.observability.sink import MetricSink
 
 
 def plot_curves(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> None:

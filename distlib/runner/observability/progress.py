@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # rich is imported when first used: it is not needed to start
     from rich.console import Console
     from rich.progress import Progress
 
-from distlib.runner.observability.metrics import MetricSink
+from distlib.runner.observability.sink import MetricSink
 from distlib.runner.observability.timeline import timeline_rows
 
 MODES = ("auto", "rich", "plain")

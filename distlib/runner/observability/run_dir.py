@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from distlib.runner.observability.metrics import MetricSink
+from distlib.runner.observability.sink import MetricSink
 
 
 class RunDir(MetricSink):

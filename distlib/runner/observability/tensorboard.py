@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from distlib.runner.observability.metrics import MetricSink, scalars
+from distlib.runner.observability.sink import MetricSink, scalars
 
 
 class TensorBoardLog(MetricSink):

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlib.checkpoint.checkpointer import CheckpointError, RankStateful, rng_state, set_rng_state
 from distlib.checkpoint.layout import COMMITTED, DELETING, PARTIAL, discard
+from distlib.checkpoint.state import CheckpointError, RankStateful, rng_state, set_rng_state
 from distlib.distributed import collectives
 from distlib.log import get_logger
 
@@ -159,9 +159,10 @@ def _mean(states: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class RunCheckpoints:
-    """``resume`` at the start of a run, ``save`` at a position: ``distlib.ShardedCheckpointer`` into
-    ``step<global step>/``, created at the first save or at a resume that loads a checkpoint. Both are
-    collectives: every rank must call them, in the same order, and so is ``commit_if_written``."""
+    """Every save and load of a run goes through here: ``resume`` at the start of a run, ``save`` at a
+    position (``distlib.ShardedCheckpointer`` into ``step<global step>/``, created at the first save or at
+    a resume that loads a checkpoint), ``save_weights`` for a run that keeps only its final weights. All
+    are collectives: every rank must call them, in the same order, and so is ``commit_if_written``."""
 
     def __init__(self, directory: str, objects: Mapping[str, Any], settings: dict[str, Any], *, keep: int,
                  timeout_s: float = 300.0, staging: str = "auto"):  # fmt: skip
@@ -228,6 +229,18 @@ class RunCheckpoints:
             self._in_flight = True
             if self._group is None and collectives.world_size() > 1:  # a collective: every rank saves here
                 self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+
+    def save_weights(self, directory: str, *, global_step: int, names: tuple[str, ...] = ("model", "ema")) -> None:
+        """The objects ``names`` alone (the model and its weight average, those the run has), into
+        ``directory/step<global step>/``, synchronously, the newest one kept (run.final_checkpoint=weights):
+        what ``python -m distlib.runner.export`` reads, without the optimizer state (twice the weights with
+        AdamW) that only a resume needs. A background save in flight is left to commit as usual. A
+        collective: every rank must call it."""
+        from distlib.checkpoint.sharded import ShardedCheckpointer
+
+        objects = {name: self.objects[name] for name in names if name in self.objects}
+        # frozen=False: a frozen parameter (a LoRA model's base) is rebuilt by the model at every start
+        ShardedCheckpointer(directory, keep=1, frozen=False).save(global_step, objects)
 
     @property
     def phases(self) -> dict[str, float]:

@@ -1002,14 +1002,13 @@ def check_before_launch(cfg: Config) -> None:
         return outcome, result, outcome != "died"  # a child that died (out of host memory) may not die again
 
     # made once: kept for a rerun or a resume, and by local rank 0 only (plan_cache)
-    from distlib.runner.training.compilation import compile_cache_dir
-    from distlib.runner.training.plan_cache import plan_key, shared_plan
+    from distlib.runner.training import plan_cache
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     on_cuda = gpu is not None and torch.cuda.is_available()
     name = torch.cuda.get_device_name(local % torch.cuda.device_count()) if on_cuda else ""
-    directory = os.path.join(compile_cache_dir(cfg), "memory_plan")
-    outcome, result, source = shared_plan(directory, plan_key(cfg, world, name, gpu, on_gpu, own), make)
+    key = plan_cache.plan_key(cfg, world, name, gpu, on_gpu, own)
+    outcome, result, source = plan_cache.shared_plan(plan_cache.cache_dir(cfg), key, make)
     if outcome == "died":
         outcome = "failed"
     if outcome == "ok":

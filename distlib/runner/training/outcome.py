@@ -10,6 +10,7 @@ import time
 
 from distlib.distributed.process_group import context
 from distlib.errors import DistlibError
+from distlib.log import write_line
 from distlib.parallel.grad_sync import GradSyncTimeout
 from distlib.reliability.failures import describe, peer_reports, report
 from distlib.reliability.stop import Interrupted
@@ -52,7 +53,7 @@ def exit_code(e: BaseException, timeout_s: float, *, before_start: bool = False)
         report(1, f"{type(e).__name__}: {str(e).strip()[:200]} (its traceback is in its output)")
         return None
     report(code, message)
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    write_line(f"error: {message}")
     return code
 
 
@@ -90,7 +91,7 @@ def report_config_error(message: str) -> None:
             time.sleep(PEER_REPORT_WAIT_S)  # torchrun ends this process here in the usual case
         except Interrupted:
             return  # torchrun's SIGTERM after local rank 0 reported the error: nothing more to say
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    write_line(f"error: {message}")
 
 
 def fast_exit(code: int) -> None:

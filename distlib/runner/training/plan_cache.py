@@ -93,6 +93,13 @@ def code_hash(cfg: Config) -> str:
     return _sources_hash(paths)
 
 
+def cache_dir(cfg: Config) -> str:
+    """Where the plans are kept: ``memory_plan/`` in torch.compile's cache folder (``run.compile_cache_dir``)."""
+    from distlib.runner.training.compilation import compile_cache_dir
+
+    return os.path.join(compile_cache_dir(cfg), "memory_plan")
+
+
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)

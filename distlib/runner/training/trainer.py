@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import distlib
-from distlib.checkpoint.checkpointer import fingerprint
+from distlib.checkpoint.state import fingerprint
 from distlib.distributed.process_group import Context
 from distlib.reliability.failures import abort, describe
 from distlib.reliability.stop import StopSignal
@@ -500,14 +500,8 @@ class Trainer:
 
     def save_weights(self) -> None:
         """The model alone (and its weight average), into ``<run>/weights/step<global step>/``
-        (run.final_checkpoint=weights): what ``python -m distlib.runner.export`` reads, without the
-        optimizer state (twice the weights with AdamW) that only a resume needs. A collective."""
-        from distlib.checkpoint.sharded import ShardedCheckpointer
-
-        objects = {"model": self.model, **({"ema": self.ema} if self.ema is not None else {})}
-        # frozen=False: as the run's checkpoints, the frozen base (LoRA's) is not the run's to save
-        weights = ShardedCheckpointer(os.path.join(self.run.path, "weights"), keep=1, frozen=False)
-        weights.save(self.global_step, objects)
+        (run.final_checkpoint=weights; ``RunCheckpoints.save_weights``). A collective."""
+        self.checkpoints.save_weights(os.path.join(self.run.path, "weights"), global_step=self.global_step)
 
     # ---- teardown ------------------------------------------------------------------------
 
