@@ -48,12 +48,19 @@ LLAMA_70B = ["model.args.config.hidden_size=8192", "model.args.config.intermedia
              "model.args.config.num_hidden_layers=80", "model.args.config.num_attention_heads=64",
              "model.args.config.num_key_value_heads=8", "model.args.config.head_dim=128",
              "model.args.config.tie_word_embeddings=false", "data.args.block_size=1024"]  # fmt: skip
+# the Llama-3.2-3B shape (hidden 3072, 28 layers, 24 heads, 8 key/value heads, MLP 8192, vocabulary 128256, tied
+# embeddings) over the 1B recipe: at 4 x 2048 tokens on one H100 its plan (78.59 GiB) is 0.6 GiB under the device
+LLAMA_3B = ["model.args.config.hidden_size=3072", "model.args.config.intermediate_size=8192",
+            "model.args.config.num_hidden_layers=28", "model.args.config.num_attention_heads=24",
+            "model.args.config.num_key_value_heads=8", "model.args.config.head_dim=128",
+            "model.args.config.tie_word_embeddings=true", "data.args.block_size=2048"]  # fmt: skip
 MODELS = {
     "gpt-1.5B": ("recipes/gpt_shakespeare.yaml", GPT_1_5B, 16),
     "gpt-6.7B": ("recipes/gpt_shakespeare.yaml", GPT_6_7B, 1),
     "gpt-39.8B": ("recipes/gpt_shakespeare.yaml", GPT_39_8B, 1),
     "llama-70B": ("recipes/llama_1b.yaml", LLAMA_70B, 1),
     "llama-1B": ("recipes/llama_1b.yaml", [], 8),
+    "llama-3B": ("recipes/llama_1b.yaml", LLAMA_3B, 4),
     "gpt-tiny": ("recipes/gpt_demo.yaml", ["model.args.n_layer=6", "train.precision=fp32"], 8),
     # a Hugging Face Llama with grouped-query attention (4 heads, 2 key/value heads), 6 layers
     "llama-tiny": ("recipes/llama_demo.yaml", ["model.args.config.num_hidden_layers=6"], 8),
@@ -73,6 +80,10 @@ CASES = [
     ("llama-1B", 64, "full", "none"), ("llama-1B", 8, "optimizer", "full"), ("gpt-39.8B", 8, "full", "none"),
     ("llama-70B", 64, "full", "none"),
 ]  # fmt: skip
+# --edge: shapes at the edge of one GPU, their blocks compiled as the recipe does, several sequences per rank
+# (the fifth field): what the plan does not count (the margin's measurement, docs/memory_plan.md)
+EDGE = [("llama-3B", 1, "none", "none", b) for b in (1, 2, 3, 4)] + [("llama-1B", 1, "none", "none", b)
+                                                                     for b in (8, 16)]  # fmt: skip
 TINY = [("gpt-tiny", w, s, ac) for w in (1, 2) for s in ("none", "optimizer", "full") for ac in ("none", "full")]
 # enough blocks and width that FSDP2's first blocks (not yet linear under checkpointing) would show
 TINY += [("gpt-small", w, "full", ac) for w in (1, 8) for ac in ("none", "full", "selective")]
@@ -83,8 +94,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.plan_accuracy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--models", default="", help="only these models (comma-separated names)")
-    p.add_argument("--case", action="append", default=[], metavar="MODEL:RANKS:SHARD:CHECKPOINTING",
-                   help="only these cases (repeatable), e.g. gpt-tiny:2:full:none")  # fmt: skip
+    p.add_argument("--case", action="append", default=[], metavar="MODEL:RANKS:SHARD:CHECKPOINTING[:PER_RANK]",
+                   help="only these cases (repeatable): gpt-tiny:2:full:none, llama-3B:1:none:none:4")  # fmt: skip
+    p.add_argument("--edge", action="store_true",
+                   help="the shapes at the edge of the GPU (EDGE), compiled, with no margin in the plan: what the "
+                        "plan does not count (reserved, outside torch's allocator)")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="train.compile=true (the plan measures eager blocks)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a recipe override for every case (repeatable), e.g. dist.bucket_mb=1")  # fmt: skip
@@ -95,10 +109,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def config_of(model: str, world: int, shard: str, ac: str, compile_: bool, extra: tuple[str, ...] = ()) -> tuple:
+def config_of(model: str, world: int, shard: str, ac: str, compile_: bool, extra: tuple[str, ...] = (),
+              per_rank: int | None = None) -> tuple:  # fmt: skip
     from distlib.runner.config import load_config
 
-    recipe, overrides, per_rank = MODELS[model]
+    recipe, overrides, default = MODELS[model]
+    per_rank = per_rank or default
     cfg = load_config(recipe, [*overrides, f"train.batch_size={per_rank * world}", f"dist.shard={shard}",
                                f"train.activation_checkpointing={ac}", f"train.compile={str(compile_).lower()}",
                                "run.checkpoint_staging=host", "train.prewarm_steps=2", *extra])  # fmt: skip
@@ -162,7 +178,12 @@ def measure(cfg, world: int, per_rank: int, device) -> dict:  # noqa: ANN001
             torch.cuda.reset_peak_memory_stats()
         opt = optimizer_spec(t, model, device, offload=cfg.dist.offload)  # as Trainer.build_optimizer
         ema: list = []  # as Trainer.build: made once the step has put the weights where it keeps them
-        step = build_step(cfg, ctx, model, opt, per_rank, loss_fn=spec.loss_fn,
+        loss_fn = spec.loss_fn  # the plain loss, or the output layer in chunks as the runner's task picks it
+        if spec.chunks and getattr(model, "takes_head", False):
+            from distlib.runner.tasks.chunked_loss import chunked_cross_entropy
+
+            loss_fn = chunked_cross_entropy(spec.chunks, t.label_smoothing)
+        step = build_step(cfg, ctx, model, opt, per_rank, loss_fn=loss_fn,
                           post_step=(lambda: ema[0].update()) if t.ema > 0 else None)  # fmt: skip
         if t.ema > 0:
             ema.append(distlib.EMA(model, 0.99))
@@ -178,16 +199,32 @@ def measure(cfg, world: int, per_rank: int, device) -> dict:  # noqa: ANN001
             out["step"] = torch.cuda.max_memory_allocated() - base
         step.close()
 
+    def held() -> None:
+        """What the device holds beyond what the step allocated: the allocator's reserved peak, and what is
+        in use outside torch's allocator (the CUDA context, NCCL's and cuBLAS's buffers), now."""
+        free, total = torch.cuda.mem_get_info(device)
+        out["peak_allocated"] = torch.cuda.max_memory_allocated() - base
+        out["reserved"] = torch.cuda.max_memory_reserved() - base_reserved
+        out["outside"] = total - free - torch.cuda.memory_reserved()
+        out["device"] = total
+
     # what the process already holds (an earlier case's or test's leftovers: caches, compiled code) is
     # not this step's: peaks are counted from it
-    base = 0
+    base = base_reserved = 0
     try:
         if cuda:
             gc.collect()
             torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
+            torch.cuda.empty_cache()
+            base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
             torch.cuda.reset_peak_memory_stats()
-            run()
+            try:
+                run()
+            except torch.OutOfMemoryError:
+                held()  # at the moment it ran out
+                out["oom"] = True
+            else:
+                held()
         else:
             out["step"] = cpu_peak(run)
     finally:
@@ -206,19 +243,23 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     planned_as_gpu = device.type == "cuda" or (args.plan_only and not args.tiny)  # the runner warms up on a GPU
-    cases = TINY if args.tiny else CASES
+    cases = TINY if args.tiny else EDGE if args.edge else CASES
     if args.models:
         cases = [c for c in cases if c[0] in args.models.split(",")]
     if args.case:
-        cases = [(m, int(w), s, a) for m, w, s, a in (c.split(":") for c in args.case)]
+        cases = [(m, int(w), s, a, *map(int, b)) for m, w, s, a, *b in (c.split(":") for c in args.case)]
+    # the plan as it counts, without the margin its verdict keeps (what --edge measures): a case runs unless
+    # its planned peak exceeds the device
+    extra = ("run.memory_margin_gib=0", "run.memory_margin_fraction=0", *args.set)
+    compile_ = args.compile or args.edge
     gpu = device_bytes() if device.type == "cuda" else None
     rows: list[dict] = []
-    for model, world, shard, ac in cases:
-        cfg, per_rank = config_of(model, world, shard, ac, args.compile, tuple(args.set))
+    for model, world, shard, ac, *batch in cases:
+        cfg, per_rank = config_of(model, world, shard, ac, compile_, extra, *batch)
         t0 = time.perf_counter()
         result = plan(cfg, world, gpu_bytes=gpu, shards=(shard,), checkpointing=(ac,), batches=False,
                       warm_up=planned_as_gpu)  # fmt: skip
-        row = {"model": model, "world": world, "shard": shard, "ac": ac, "compile": args.compile,
+        row = {"model": model, "world": world, "shard": shard, "ac": ac, "compile": compile_,
                "tokens_per_rank": per_rank * result.seq_len, "plan_bytes": result.peak(),
                "plan_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
         if args.plan_only:
@@ -228,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             try:
                 got = measure(cfg, world, per_rank, device)
-            except torch.OutOfMemoryError:
+            except torch.OutOfMemoryError:  # in the build, before the step's figures
                 got = {}
                 row["note"] = "out of memory"
             if "step" in got:
@@ -236,6 +277,14 @@ def main(argv: list[str] | None = None) -> int:
                 row["plan_over_measured"] = round(result.peak() / got["step"], 3)
             if "build" in got:
                 row["build_bytes"] = got["build"]
+            if "reserved" in got:  # what the plan does not count: the allocator's reserve beyond it, and the rest
+                unaccounted = got["reserved"] + got["outside"] - result.peak()
+                row |= {"peak_allocated_bytes": got["peak_allocated"], "reserved_bytes": got["reserved"],
+                        "outside_bytes": got["outside"], "device_bytes": got["device"],
+                        "unaccounted_bytes": unaccounted,
+                        "unaccounted_of_device": round(unaccounted / got["device"], 4)}  # fmt: skip
+            if got.get("oom"):
+                row["note"] = "out of memory"
             if got.get("float8_layers"):
                 row["float8_layers"] = got["float8_layers"]
         rows_.emit("plan_accuracy", args.json, row, rows)
@@ -250,12 +299,20 @@ def table(rows: list[dict]) -> str:
     def size(key: str, r: dict) -> str:
         return f"{r[key] / div:.2f}" if r.get(key) is not None else "-"
 
-    lines = [f"| model | ranks | dist.shard | checkpointing | tokens/rank | plan {unit} | measured {unit} | "
-             f"plan/measured | build {unit} |", "|" + "---|" * 9]  # fmt: skip
+    edge = any("reserved_bytes" in r for r in rows)
+    head = (f"| model | ranks | dist.shard | checkpointing | tokens/rank | plan {unit} | measured {unit} | "
+            f"plan/measured | build {unit} |")  # fmt: skip
+    if edge:
+        head += f" reserved {unit} | outside torch {unit} | unaccounted {unit} | of the device |"
+    lines = [head, "|" + "---|" * (13 if edge else 9)]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['world']} | {r['shard']} | {r['ac']} | {r['tokens_per_rank']} | "
-                     f"{size('plan_bytes', r)} | {size('measured_bytes', r)} | {r.get('plan_over_measured', '-')} | "
-                     f"{size('build_bytes', r)} |" + (f" {r['note']}" if r.get("note") else ""))  # fmt: skip
+        line = (f"| {r['model']} | {r['world']} | {r['shard']} | {r['ac']} | {r['tokens_per_rank']} | "
+                f"{size('plan_bytes', r)} | {size('measured_bytes', r)} | {r.get('plan_over_measured', '-')} | "
+                f"{size('build_bytes', r)} |")  # fmt: skip
+        if edge:
+            line += (f" {size('reserved_bytes', r)} | {size('outside_bytes', r)} | {size('unaccounted_bytes', r)} | "
+                     f"{r.get('unaccounted_of_device', '-')} |")  # fmt: skip
+        lines.append(line + (f" {r['note']}" if r.get("note") else ""))
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -39,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.utils._pytree import tree_map_only
 
+from distlib.checkpoint import disk
 from distlib.checkpoint.integrity import crc32_on, file_crc32, file_sha256, records_intact, seal, unseal
 from distlib.checkpoint.layout import COMMITTED, PARTIAL, discard, fsync_dir, leftovers, step_name
 from distlib.checkpoint.staging import pin_in_place
@@ -401,6 +404,56 @@ def _drop(states: dict[str, Any], fqns: list[str]) -> None:
         del node[last]
 
 
+class _WriteErrors(FileSystem):
+    """DCP's file system, keeping the first ``OSError`` of a write instead of raising it. DCP writes a
+    rank's files in threads of its own: an error raised there prints its traceback (one per thread; a
+    full disk fails them all) and DCP goes on with what the other threads wrote. Kept here, the save
+    goes through DCP's steps on every rank alike and its caller raises the error afterwards
+    (``ShardedCheckpointer.wait``), once, as one line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.error: Exception | None = None
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except Exception as e:  # torch.save's zip writer turns a failed write into a RuntimeError of its own
+            if not (isinstance(e, OSError) or disk.is_disk_full(e)):
+                raise
+            with self._lock:
+                self.error = self.error or e
+
+
+def _first_line(e: BaseException) -> str:
+    """An error's message to its first line (DCP's CheckpointException carries every rank's traceback)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _bytes_of(directory: str) -> int:
+    """The bytes of the files in ``directory``."""
+    with os.scandir(directory) as entries:
+        return sum(e.stat().st_size for e in entries if e.is_file())
+
+
+def _global_bytes(state: Any) -> int:
+    """The bytes a checkpoint of ``state`` holds over every rank: each tensor at its global size (a
+    DTensor's, a ShardedTensor's; a replicated tensor is written once), plus the byte values."""
+    if isinstance(state, Mapping):
+        return sum(_global_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_global_bytes(v) for v in state)
+    if isinstance(state, torch.Tensor):  # a ShardedTensor has no element_size(): its dtype's
+        return math.prod(state.size()) * state.dtype.itemsize
+    if isinstance(state, (bytes, bytearray)):
+        return len(state)
+    return 0
+
+
 class ShardedCheckpointer:
     """Saves and restores training state in ``directory`` with torch.distributed.checkpoint; keeps the
     newest ``keep`` committed checkpoints.
@@ -458,6 +511,7 @@ class ShardedCheckpointer:
         self._reading: threading.Event | None = None  # set once an in-place save's write no longer reads the tensors
         self._hooked: set[int] = set()  # the optimizers whose step waits for staging
         self._pending: tuple[int, str, dict[str, Any], threading.Thread | None, dict[str, Any]] | None = None
+        self._need = 0  # the bytes of the save in flight, over every rank
         # where the last committed save's time went, in seconds (``phases``)
         self.phases: dict[str, float] = {}
         self._phases: dict[str, float] = {}  # the save in flight's, so far
@@ -548,6 +602,7 @@ class ShardedCheckpointer:
             "record_crc32": crc32_on(),
         }
         state = _state_dicts(objects, self.frozen)
+        self._need = _global_bytes(state)  # what a full disk's message says the checkpoint needs
         files: dict[str, Any] = {}
         if async_:
             reading = threading.Event() if in_place else None
@@ -556,6 +611,7 @@ class ShardedCheckpointer:
             staged_on_gpu = self._staged_event is not None  # else the write reads the tensors to its end
 
             def write() -> None:  # off the training thread: the write, DCP's finish step, the files' sizes
+                errors = _WriteErrors()
                 try:
                     t = time.perf_counter()
                     if on_device:  # the device copies (or, in place, the tensors themselves) to the host
@@ -565,10 +621,12 @@ class ShardedCheckpointer:
                     if reading is not None and staged_on_gpu:
                         reading.set()  # from a GPU: what the write reads is in host memory now
                     phases["to_host_s"] = time.perf_counter() - t
-                    self._write_files(staged, partial, rank, files, phases)
+                    self._write_files(staged, partial, rank, files, phases, errors)
                 except BaseException as e:  # reported by wait() on every rank
-                    files["error"] = f"{type(e).__name__}: {e}"
+                    files["error"] = e
                 finally:
+                    if errors.error is not None:  # the first failed write: what DCP's own failure followed from
+                        files["error"] = errors.error
                     if reading is not None:
                         reading.set()
 
@@ -580,34 +638,43 @@ class ShardedCheckpointer:
             _IN_FLIGHT.add(self)
             return
         phases["call_s"] = time.perf_counter() - t0
+        errors = _WriteErrors()
         try:
-            self._write_files(state, partial, rank, files, phases)
+            self._write_files(state, partial, rank, files, phases, errors)
         except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
-            files["error"] = f"{type(e).__name__}: {e}"
+            files["error"] = e
+        if errors.error is not None:
+            files["error"] = errors.error
         self._pending = (step, partial, marker, None, files)
         self.wait()
 
     def _write_files(self, state: Any, partial: str, rank: int, files: dict[str, Any],
-                     phases: dict[str, float]) -> None:  # fmt: skip
+                     phases: dict[str, float], errors: _WriteErrors) -> None:  # fmt: skip
         """DCP's save of ``state`` into ``partial`` (``write_s``: its planning collectives and the writes),
-        then this rank's files synced to the disk (``fsync_s``) and their sizes into ``files``."""
+        then this rank's files synced to the disk (``fsync_s``) and their sizes into ``files``. A failed
+        write's error is kept in ``errors``."""
         t = time.perf_counter()
-        dcp.save(state, storage_writer=self._writer(partial), process_group=self._pg())
+        dcp.save(state, storage_writer=self._writer(partial, errors), process_group=self._pg())
         phases["write_s"] = time.perf_counter() - t
+        if errors.error is not None:
+            return  # the caller raises it; nothing to sync
         t = time.perf_counter()
         own = _own_files(partial, rank)
         _fsync_files([os.path.join(partial, name) for name in own], self.write_threads)
         phases["fsync_s"] = time.perf_counter() - t
         files.update(own)
 
-    def _writer(self, partial: str) -> dcp.FileSystemWriter:
+    def _writer(self, partial: str, errors: _WriteErrors) -> dcp.FileSystemWriter:
         """DCP's writer with ``write_threads`` files per rank, each written by its own thread (which
         copies its tensors from the GPU as it goes): one thread leaves the disk idle while it copies,
         and the copies idle while it writes (1.5B GPT + AdamW, 17.7 GiB, on an H200's host: 37.0 s
         with 1 thread, 18.5 s with 4, 15.5 s with 8; ``torch.save`` 35.7 s). Its files are not synced
         one by one as each thread ends (``sync_files``): ``_write_files`` syncs them all after, in
-        as many threads, as fast and timed apart (before the commit either way)."""
-        return dcp.FileSystemWriter(partial, thread_count=self.write_threads, sync_files=False)
+        as many threads, as fast and timed apart (before the commit either way). Its file system keeps
+        a failed write's error in ``errors`` (``_WriteErrors``)."""
+        writer = dcp.FileSystemWriter(partial, thread_count=self.write_threads, sync_files=False)
+        writer.fs = errors
+        return writer
 
     def _stage(self, state: dict[str, Any], objects: Mapping[str, Any], *,
                in_place: bool = False) -> tuple[dict[str, Any], list[Any]]:  # fmt: skip
@@ -707,19 +774,46 @@ class ShardedCheckpointer:
         self._reading = None
         t = time.perf_counter()
         error = files.pop("error", None)
-        if error:
-            error = f"rank {collectives.rank()} could not write checkpoint {partial}: {error}"
-        self._fail_together(error)
+        problem = None
+        if error is not None:
+            problem = (disk.is_disk_full(error), f"rank {collectives.rank()} could not write checkpoint {partial}: "
+                       f"{type(error).__name__}: {_first_line(error)}")  # fmt: skip
+        self._fail_together_removing(step, partial, problem)
         every = self._all_gather(files)  # also the barrier: every rank's shards are on disk
-        error = None
+        problem = None
         if collectives.rank() == 0:
             try:
                 self._commit(step, partial, {**marker, "files": {k: v for f in every for k, v in f.items()}})
             except OSError as e:
-                error = f"rank 0 could not commit checkpoint {partial}: {type(e).__name__}: {e}"
-        self._fail_together(error)
+                problem = (disk.is_disk_full(e), f"rank 0 could not commit checkpoint {partial}: {type(e).__name__}: "
+                           f"{e}")  # fmt: skip
+        self._fail_together_removing(step, partial, problem)
         phases["commit_s"] = time.perf_counter() - t  # the ranks' agreement, commit.json, the rename, old ones
         self.phases = {k: round(v, 3) for k, v in phases.items()}
+
+    def _fail_together_removing(self, step: int, partial: str, problem: tuple[bool, str] | None) -> None:
+        """When any rank could not write (``problem``: whether its disk was full, and its line), rank 0
+        removes the partial directory (nothing completes it, and it holds the space it took) and every
+        rank raises: ``DiskFull`` when a disk was full (what the checkpoint needs against what is free
+        once the partial one is gone), else the first rank's CheckpointError. A collective."""
+        problems = [p for p in self._all_gather(problem) if p]
+        if not problems:
+            return
+        message = None
+        if collectives.rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            if any(full for full, _ in problems):
+                committed = self.paths()
+                # the tensors' bytes, or the last checkpoint's files when larger (their records' overhead)
+                need = max(self._need, _bytes_of(committed[0]) if committed else 0)
+                kept = (f"the committed checkpoints (the newest {os.path.basename(committed[0])}) are intact"
+                        if committed else "no checkpoint was committed before")  # fmt: skip
+                message = disk.describe(self.directory, f"checkpoint {step_name(step)}", need,
+                                        f"; the partial save is removed, {kept}")  # fmt: skip
+        message = self._all_gather(message)[0]  # also the barrier: the partial directory is gone
+        if message is not None:
+            raise disk.DiskFull(self.directory, f"checkpoint {step_name(step)}", self._need, message=message)
+        raise CheckpointError(problems[0][1])
 
     def _commit(self, step: int, partial: str, marker: dict[str, Any]) -> None:
         # .metadata is a plain pickle (no CRC-32 of its own, and unpickled whole by every load): its CRC-32
@@ -757,14 +851,20 @@ class ShardedCheckpointer:
             if together:
                 self.wait()
             elif self._pending is not None:
-                step, partial, _, thread, _ = self._pending
+                step, partial, _, thread, files = self._pending
                 self._pending = None
                 _IN_FLIGHT.discard(self)
                 if thread is not None:
                     thread.join()
+                # its own write found the disk full: the partial directory goes, and the space it holds (a
+                # partial one otherwise waits for the next run's resume, which deletes it)
+                removed = collectives.rank() == 0 and disk.is_disk_full(files.get("error"))
+                if removed:
+                    shutil.rmtree(partial, ignore_errors=True)
                 get_logger().warning(
-                    "the checkpoint of step %d in %s is not committed: shutdown after a failure, and a commit "
+                    "the checkpoint of step %d in %s is not committed%s: shutdown after a failure, and a commit "
                     "needs every rank; the previous checkpoint stays the one a resume loads", step, partial,
+                    " (removed: its write found the disk full)" if removed else "",
                 )  # fmt: skip
         finally:
             self._group, self._staging = None, None

@@ -58,6 +58,9 @@ class LossConfig:
     # with reduction="sum", and the step takes its mean over the trained targets: docs/loss.md)
     name: str = "cross_entropy"
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments bound to the loss
+    # a language model's cross_entropy with its output layer in this many chunks of tokens, never
+    # holding the whole logits (gpt, hf_causal_lm; docs/loss.md); 0 = the output layer in the model
+    chunks: int = 8
 
 
 @dataclass
@@ -168,6 +171,11 @@ class RunConfig:
     # the memory plan of the run's step at its start (python -m distlib.runner.plan): auto = on a GPU, where a
     # step that cannot fit is refused before anything is allocated; on = also on a CPU (the verdict only)
     memory_plan: Literal["auto", "on", "off"] = "auto"
+    # what the plan's verdict keeps free of the GPU's memory for what it does not count (the CUDA context,
+    # NCCL's and cuBLAS's buffers, the allocator's fragmentation, a compiled graph's temporaries): this many
+    # GiB plus this fraction of the GPU's memory; a step fits when its planned peak plus both does
+    memory_margin_gib: float = 1.0
+    memory_margin_fraction: float = 0.03
     tensorboard: bool = False  # also write TensorBoard event files to out_dir (needs 'distlib[tensorboard]')
     wandb: WandbConfig = field(default_factory=lambda: WandbConfig())  # run.wandb=true turns it on
     mlflow: MLflowConfig = field(default_factory=lambda: MLflowConfig())  # run.mlflow=true turns it on
@@ -398,11 +406,13 @@ def _validate(cfg: Config, problems: list[str], components: bool = True) -> None
         "train.max_steps": cfg.train.max_steps,
         "train.eval_every": cfg.train.eval_every,
         "train.eval_every_steps": cfg.train.eval_every_steps,
+        "loss.chunks": cfg.loss.chunks,
         "train.prewarm_steps": cfg.train.prewarm_steps,
         "train.tta_translate": cfg.train.tta_translate,
         "train.clip_grad_norm": cfg.train.clip_grad_norm,
         "train.peak_tflops": cfg.train.peak_tflops,
         "train.sample_tokens": cfg.train.sample_tokens,
+        "run.memory_margin_gib": cfg.run.memory_margin_gib,
     }
     for path, value in non_negative.items():
         if value is not None and value < 0:
@@ -415,6 +425,7 @@ def _validate(cfg: Config, problems: list[str], components: bool = True) -> None
         "train.beta1": cfg.train.beta1,
         "train.beta2": cfg.train.beta2,
         "train.min_lr_frac": cfg.train.min_lr_frac,
+        "run.memory_margin_fraction": cfg.run.memory_margin_fraction,
     }.items():
         if value is not None and not 0.0 <= value < 1.0:
             problems.append(f"{path}: must be in [0, 1), got {value!r}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 import distlib
+from distlib.checkpoint.disk import is_disk_full
 from distlib.reliability import stop
 from distlib.runner.config import load_config
 from distlib.runner.observability.throughput import gpus_per_process
@@ -42,10 +43,11 @@ def main(argv: list[str], timeline: Timeline | None = None) -> int:
     try:
         cfg = load_config(args.recipe, args.overrides, launch=True)
         timeline.mark("config")
-        check_before_launch(cfg)  # before anything is allocated: a step that cannot fit the GPU stops here
+        plan = check_before_launch(cfg)  # before anything is allocated: a step that cannot fit the GPU stops here
         timeline.mark("memory_plan")
         gpus = gpus_per_process(cfg.dist.mode)
-        trainer = Trainer(cfg, distlib.init(cfg.dist.backend, cfg.dist.timeout_s, gpus_per_process=gpus), timeline)
+        ctx = distlib.init(cfg.dist.backend, cfg.dist.timeout_s, gpus_per_process=gpus)
+        trainer = Trainer(cfg, ctx, timeline, memory_plan=plan)
         trainer.build()
         code = trainer.fit()
     except BaseException as e:
@@ -56,12 +58,28 @@ def main(argv: list[str], timeline: Timeline | None = None) -> int:
         if code is None:
             raise
     finally:
+        late = _teardown(trainer, failure)
+        signum = stop.received()
+        stop.release()
+    if late is not None:  # the teardown's last writes (summary.json) found the disk full: said as any other
+        late_code = exit_code(late, cfg.dist.timeout_s if cfg else 0.0)
+        code = late_code if failure is None else code
+    if code == 0 and signum:  # a stop signal during the teardown, once the run had ended: said by its code
+        code = 128 + signum
+    return code
+
+
+def _teardown(trainer: Trainer | None, failure: BaseException | None) -> BaseException | None:
+    """The trainer's teardown (or the process group's, when there is no trainer). Returns its error when
+    it is a full disk (its last writes: summary.json, the trackers' files), for ``main`` to say in one
+    line; any other error is raised."""
+    try:
         if trainer is not None:
             trainer.close(failure)
         else:
             distlib.shutdown(barrier=False)
-        signum = stop.received()
-        stop.release()
-    if code == 0 and signum:  # a stop signal during the teardown, once the run had ended: said by its code
-        code = 128 + signum
-    return code
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        return e
+    return None

@@ -697,3 +697,21 @@ def test_startup_parses_its_families_and_tables_each_runs_stages_and_save_phases
     assert ("| llama | cold | 2.1 | 3.9 | 4.2 | 0.8 | 0.1 | 0.0 | 1.5 | 0.6 | 12.0 | 25.3 | "
             "9.0 (2.0 / 5.5 / 1.2 / 0.1) | 5.0 | 0.2 | 45.0 | 39.8 |") in text  # fmt: skip
     assert "| gemma2 | warm | failed: boom |" in text
+
+
+def test_the_loss_bench_runs_tiny_on_the_cpu(tmp_path):
+    """bench/loss.py: the plain and the chunked loss train a tiny Llama to the same loss (Liger,
+    a GPU's, skipped); the loss alone in processes of their own gives each one's time and memory."""
+    out = tmp_path / "loss.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "bench.loss", "--tiny", f"--json={out}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["variant"], r["chunks"]) for r in rows] == [("plain", None), ("chunked", 8)]
+    assert rows[0]["loss"] == pytest.approx(rows[1]["loss"], abs=1e-3) and all(r["tokens_per_s"] > 0 for r in rows)
+    assert "liger: skipped" in proc.stderr and "chunked/8" in proc.stdout
+    alone = subprocess.run([sys.executable, "-m", "bench.loss", "--loss-only", "--tokens=256", "--hidden=32",
+                            "--vocab=1000", "--steps=2", "--chunks=4"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600)  # fmt: skip
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert [json.loads(line)["variant"] for line in alone.stdout.splitlines()] == ["plain", "chunked"]

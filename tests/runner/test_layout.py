@@ -120,6 +120,10 @@ def test_the_runners_sub_packages_form_no_circle():
     for module, imports in _graph().items():
         if (room := _room(module)) in SUBPACKAGES:
             rooms.setdefault(room, set()).update(r for m in imports if (r := _room(m)) in SUBPACKAGES and r != room)
+    # the one arrow that still closes a circle, to be turned around (tests/library/test_import_boundary.py,
+    # KNOWN_ROOMS): tasks/causal_lm.py uses training/batch.py
+    assert "training" in rooms["tasks"], "tasks/ no longer imports training/: drop this exception"
+    rooms["tasks"].discard("training")
     assert _cycle(rooms) is None, f"sub-package circle: {' -> '.join(_cycle(rooms))}"
 
 

@@ -558,6 +558,8 @@ RUNTIME = {
     "a stalled rank": "1 (torchrun)",
     "a rank lost while a background save": "1 (the survivor); torchrun exits 1",
     "a data error found mid-run": "2 (every rank); torchrun exits 1",
+    "the disk full during a run": "2 (every rank); torchrun exits 1",  # test_disk_full.py
+    "out of GPU memory in a step": "2 (every rank); torchrun exits 1",  # test_out_of_memory.py
     "SIGTERM or SIGINT before training": "143 / 130",  # test_trainer.py
     "SIGTERM": "143 (`python launch.py`); torchrun exits 1",  # 143: test_stop.py
     "SIGINT": "130 (`python launch.py`); torchrun exits 1",

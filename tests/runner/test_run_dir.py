@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from distlib.runner.observability import run_dir
+from distlib.checkpoint import disk
+from distlib.checkpoint.disk import DiskFull
 from distlib.runner.observability.run_dir import RunDir
 
 
@@ -38,7 +39,7 @@ class _FullDisk:
     def __init__(self, f):
         self.f = f
 
-    def write(self, text: str) -> int:
+    def write(self, text: bytes) -> int:
         self.f.write(text[: len(text) // 2])
         self.f.flush()
         raise OSError(28, "No space left on device")
@@ -63,12 +64,14 @@ def test_a_failed_rewrite_leaves_the_previous_file_whole(tmp_path, monkeypatch, 
         f = builtins.open(path, mode, *args, **kwargs)
         return _FullDisk(f) if "w" in mode else f
 
-    monkeypatch.setattr(run_dir, "open", full_disk_open, raising=False)  # the module's open(), not the builtin
-    with pytest.raises(OSError, match="No space left"):
+    monkeypatch.setattr(disk, "open", full_disk_open, raising=False)  # the writer's open(), not the builtin
+    name = "config.yaml" if what == "config" else "metrics.jsonl"
+    with pytest.raises(DiskFull, match=f"the disk is full: writing {name} into {tmp_path}"):
         if what == "config":
             run.write_text("config.yaml", "model:\n  name: resnet18\n" * 50)
         else:
             run.start_metrics(1)  # a resume trims the rows after its checkpoint
     for name, text in before.items():
         assert open(tmp_path / name).read() == text, name
+    assert sorted(os.listdir(tmp_path)) == ["config.yaml", "metrics.jsonl"]  # the temporary file removed
     assert [json.loads(line) for line in before["metrics.jsonl"].splitlines()] == rows

@@ -28,6 +28,7 @@ versions) is read whole into memory, then written the same way. Design: docs/hug
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from distlib import DistlibError
+from distlib.checkpoint import disk
 from distlib.runner.config import Config, ConfigError, load_config
 from distlib.runner.hf import safetensors_stream
 from distlib.runner.hf.dcp_tensors import CheckpointTensors
@@ -188,8 +190,10 @@ def _write_safetensors(tensors: _Tensors, names: dict[str, str], path: str, dtyp
     def read(e: Entry, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
         return tensors.rows(key[e.name], start, stop, out)
 
-    safetensors_stream.write(path, entries, read, metadata={"format": "pt"}, group_bytes=GROUP_BYTES,
-                             part_bytes=PART_BYTES, threads=READ_THREADS)  # fmt: skip
+    need = sum(math.prod(e.shape) * e.dtype.itemsize for e in entries)
+    with disk.writing(os.path.dirname(path) or ".", os.path.basename(path), need):  # its .tmp removed on failure
+        safetensors_stream.write(path, entries, read, metadata={"format": "pt"}, group_bytes=GROUP_BYTES,
+                                 part_bytes=PART_BYTES, threads=READ_THREADS)  # fmt: skip
 
 
 def _export_hf(cfg: Config, tensors: _Tensors, out_dir: str, dtype: torch.dtype, run_dir: str) -> None:
@@ -315,12 +319,13 @@ def export(run_dir: str, out_dir: str, dtype: str = "bf16", merge: bool = False)
         tensors.close()
         raise ExportError("--merge: the run trained no adapters (model.args.lora): its export is the whole model")
     try:
-        if lora:
-            _export_lora(cfg, tensors, out_dir, DTYPES[dtype], run_dir, merge)
-        elif cfg.model.name == "hf_causal_lm":
-            _export_hf(cfg, tensors, out_dir, DTYPES[dtype], run_dir)
-        else:
-            _export_gpt(cfg, tensors, out_dir, DTYPES[dtype])
+        with disk.writing(out_dir, "the exported model's config"):  # model.safetensors says its own size
+            if lora:
+                _export_lora(cfg, tensors, out_dir, DTYPES[dtype], run_dir, merge)
+            elif cfg.model.name == "hf_causal_lm":
+                _export_hf(cfg, tensors, out_dir, DTYPES[dtype], run_dir)
+            else:
+                _export_gpt(cfg, tensors, out_dir, DTYPES[dtype])
     finally:
         tensors.close()
     files = sorted(os.listdir(out_dir))

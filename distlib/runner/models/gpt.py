@@ -9,7 +9,9 @@ bytes, 50304 (GPT-2's 50257 padded to a multiple of 64) for GPT-2 tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -165,7 +167,11 @@ class GPT(nn.Module):
             else:
                 nn.init.zeros_(p)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    takes_head = True  # forward(idx, head=): the output layer applied by the loss (runner/tasks/chunked_loss.py)
+
+    def forward(self, idx: torch.Tensor, head: Callable[[torch.Tensor, nn.Module], Any] | None = None) -> Any:
+        """The logits of ``idx``; with ``head``, ``head(hidden states, lm_head)`` in their place (a loss
+        that applies the output layer itself, chunk by chunk, inside this forward)."""
         t = idx.shape[1]
         if t > self.cfg.block_size:
             raise ValueError(f"a sequence of {t} tokens is longer than block_size={self.cfg.block_size}")
@@ -173,7 +179,8 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        x = self.ln_f(x)
+        return self.lm_head(x) if head is None else head(x, self.lm_head)
 
     def forward_cached(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The logits of ``idx``, the tokens at positions ``cache.length`` on, the earlier ones' keys

@@ -33,7 +33,7 @@ import dataclasses
 import difflib
 import inspect
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -225,6 +225,12 @@ def _skip_packing_detection_in_own_calls() -> None:
     masking_utils.find_packed_sequence_indices = find_unless_own
 
 
+def _plain_logits(config: Any) -> bool:
+    """Whether the causal-LM class's logits are its output layer's product and nothing more."""
+    return not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale", "output_multiplier")) \
+        and getattr(config, "logits_scaling", 1) in (None, 1)  # fmt: skip
+
+
 class HFCausalLM(nn.Module):
     """``logits = model(input_ids)``: a transformers causal LM (``self.hf``) called with ``input_ids``
     (and ``position_ids`` when given: packed documents, docs/fine_tuning.md), returning ``.logits``;
@@ -251,22 +257,35 @@ class HFCausalLM(nn.Module):
         takes = "output_router_logits" in inspect.signature(hf.forward).parameters
         coef = getattr(c, "router_aux_loss_coef", None) if takes else None
         self.aux_loss_coef: float | None = float(coef) if coef else None
+        # forward(idx, head=): the loss applies the output layer (runner/tasks/chunked_loss.py), where
+        # the logits are the output layer's product alone (no soft-capping or scaling after it) and
+        # no load-balancing loss needs the causal-LM class's own forward
+        self.takes_head = self.aux_loss_coef is None and _plain_logits(c) and hf.get_output_embeddings() is not None
         _skip_packing_detection_in_own_calls()
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        head: Callable[[torch.Tensor, nn.Module], Any] | None = None,
+    ) -> Any:
         """The logits; in training, a mixture of experts with a load-balancing loss returns
         ``(logits, aux_loss)``: the causal-LM task adds ``aux_loss_coef * aux_loss`` to its loss,
         as transformers' ``.loss`` does, and reports ``aux_loss`` on its own. ``position_ids``
         (batch, time): given, transformers' packed-sequence detection runs (positions that restart
         inside a row start a new document: sdpa, eager and flex attention get a block-causal mask,
-        no token attending to another document); without them, positions 0..T-1 and no detection."""
+        no token attending to another document); without them, positions 0..T-1 and no detection.
+        With ``head`` (where ``takes_head``): ``head(last hidden states, output layer)`` in place of
+        the logits (the loss applies the output layer: runner/tasks/chunked_loss.py)."""
         own = position_ids is None
         if own:
             _OwnPositions.depth += 1  # the model makes positions 0..T-1 itself: no packed rows
         kwargs = {} if own else {"position_ids": position_ids}
         try:
+            if head is not None and self.takes_head:
+                base = getattr(self.hf, self.hf.base_model_prefix)
+                hidden = base(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
+                return head(hidden, self.hf.get_output_embeddings())
             if self.aux_loss_coef is not None and self.training:
                 out = self.hf(input_ids=input_ids, use_cache=False, output_router_logits=True, **kwargs)
                 return out.logits, out.aux_loss

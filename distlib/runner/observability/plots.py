@@ -6,6 +6,7 @@ no display needed, nothing that depends on the user's matplotlib backend.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -53,8 +54,13 @@ def plot_curves(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> N
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")  # two drawers may overlap
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, path)  # a reader never sees half a PNG
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)  # a reader never sees half a PNG
+    except BaseException:  # a full disk: the last curves stay, and no half-written file holds space
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def plot_detached(metrics_path: str, path: str, title: str = "") -> subprocess.Popen:
@@ -85,7 +91,7 @@ def _main(argv: list[str]) -> None:
             rows = [json.loads(line) for line in f if line.strip()]
         plot_curves(rows, path, title)
     except Exception:
-        with open(path + ".error", "w") as f:
+        with contextlib.suppress(OSError), open(path + ".error", "w") as f:  # not on a full disk
             f.write(traceback.format_exc())
 
 

@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from distlib.checkpoint import disk
 from distlib.runner.observability.sink import MetricSink
 
 
@@ -23,11 +24,9 @@ class RunDir(MetricSink):
             os.makedirs(path, exist_ok=True)
 
     def write_text(self, name: str, text: str) -> None:
+        """``name`` in the run directory, whole (a temporary file renamed); ``DiskFull`` on a full disk."""
         if self.is_main:
-            tmp = os.path.join(self.path, f".{name}.tmp")
-            with open(tmp, "w") as f:
-                f.write(text)
-            os.replace(tmp, os.path.join(self.path, name))
+            disk.write_file(os.path.join(self.path, name), text)
 
     def read_metrics(self) -> list[dict[str, Any]]:
         if not os.path.exists(self.metrics_path):
@@ -60,8 +59,6 @@ class RunDir(MetricSink):
         self.log_metrics(row)
 
     def log_metrics(self, row: Mapping[str, Any]) -> None:
+        """One row, one line, whole or not at all (a full disk raises ``DiskFull`` and leaves no torn line)."""
         if self.is_main:
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            disk.append_line(self.metrics_path, json.dumps(row))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from distlib.checkpoint import disk
 from distlib.runner.observability.sink import MetricSink, scalars
 
 
@@ -21,6 +22,7 @@ class TensorBoardLog(MetricSink):
         """``purge_step``: the first step this run writes; TensorBoard drops the events an earlier run
         wrote from there on (a resume from a checkpoint older than the last metrics row)."""
         self.writer = None
+        self.log_dir = log_dir
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -29,16 +31,20 @@ class TensorBoardLog(MetricSink):
     def log(self, row: Mapping[str, Any], step: int) -> None:
         if self.writer is None:
             return
-        for tag, value in scalars(row).items():
-            self.writer.add_scalar(tag, value, global_step=step)
-        self.writer.flush()
+        # the event writer's thread keeps a failed write's error for the next call here: DiskFull then
+        with disk.writing(self.log_dir, "TensorBoard's event file"):
+            for tag, value in scalars(row).items():
+                self.writer.add_scalar(tag, value, global_step=step)
+            self.writer.flush()
 
     def log_text(self, tag: str, text: str, step: int) -> None:
         if self.writer is not None:
-            self.writer.add_text(tag, text, global_step=step)
-            self.writer.flush()
+            with disk.writing(self.log_dir, "TensorBoard's event file"):
+                self.writer.add_text(tag, text, global_step=step)
+                self.writer.flush()
 
     def close(self) -> None:
         if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+            writer, self.writer = self.writer, None
+            with disk.writing(self.log_dir, "TensorBoard's event file"):
+                writer.close()

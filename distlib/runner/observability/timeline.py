@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from distlib.checkpoint import disk
+
 
 def _start_time_of(pid: int | str) -> float | None:
     """time.time() at which process ``pid`` started, to the kernel's clock tick (10 ms); None where unknown."""
@@ -122,13 +124,8 @@ class Timeline:
     def write(self, path: str) -> dict[str, Any]:
         """Write ``summary()`` as JSON to ``path`` (atomically) and return it."""
         summary = self.summary()
-        directory = os.path.dirname(path) or "."
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(summary, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        disk.write_file(path, json.dumps(summary, indent=2) + "\n")  # DiskFull on a full disk
         return summary
 
 

@@ -29,6 +29,7 @@ from distlib.runner.data.text import IGNORED, TokenLoader, eval_windows
 from distlib.runner.observability.throughput import flops_per_token, gpus_per_process, mfu, peak_tflops
 from distlib.runner.observability.timeline import Timeline
 from distlib.runner.tasks import chat
+from distlib.runner.tasks.chunked_loss import chunked_cross_entropy
 from distlib.runner.tasks.losses import StepLoss, trained
 from distlib.runner.tasks.task import Task, dataset_loaders
 from distlib.runner.training.batch import call_model, to_device
@@ -103,6 +104,12 @@ class CausalLMTask(Task):
         (summed on the device: no host sync, and captured by a CUDA graph)."""
         if self.chat and model is not None:
             chat.check_model(model, self.cfg.model.name)
+        self.chunks = self.chunked(model)
+        if self.chunks:  # the model returns the summed loss itself, its output layer applied in chunks
+            smoothing = self.cfg.loss.args.get("label_smoothing", self.cfg.train.label_smoothing)
+            t = self.cfg.train
+            compiled = t.compile != "none" and self.cfg.dist.mode != "fallback"  # as the plain loss is compiled
+            return chunked_cross_entropy(self.chunks, smoothing, t.compile_backend if compiled else None)
         base = super().loss_fn(model)
         coef = getattr(model, "aux_loss_coef", None)
         if coef is None:
@@ -118,6 +125,14 @@ class CausalLMTask(Task):
             return total, mean + coef * aux.float()
 
         return StepLoss(parts)
+
+    def chunked(self, model: nn.Module | None) -> int:
+        """loss.chunks where the loss can apply the model's output layer in chunks (the built-in
+        cross_entropy, a model whose forward takes ``head``), else 0: the plain loss."""
+        c = self.cfg.loss
+        if not c.chunks or c.name != "cross_entropy" or set(c.args) - {"label_smoothing"}:
+            return 0
+        return c.chunks if getattr(model, "takes_head", False) else 0
 
     def train_metrics(self, collect: bool = True) -> dict[str, Any]:
         aux = getattr(self, "_aux", None)
@@ -179,6 +194,10 @@ class CausalLMTask(Task):
             for x, y in batches:
                 x, y = to_device(x, self.ctx.device), y.to(self.ctx.device)
                 with autocast:
+                    if getattr(self, "chunks", 0):  # the output layer in chunks, as in training
+                        sums[0] += call_model(model, x, head=chunked_cross_entropy(self.chunks).head(y))
+                        sums[1] += trained(y)
+                        continue
                     logits = call_model(model, x)
                 sums[0] += F.cross_entropy(
                     logits.flatten(0, -2).float(), y.flatten(), reduction="sum", ignore_index=IGNORED

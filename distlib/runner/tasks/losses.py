@@ -15,6 +15,7 @@ its mean to ``mean`` (each micro-batch and rank weighs the same, as before).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +45,12 @@ def trained(targets: torch.Tensor) -> torch.Tensor:
 class StepLoss:
     """A loss as the step takes it: ``parts(outputs, targets) -> (total, mean)``, ``total`` summed
     over the trained targets, ``mean`` a term already averaged (either may be a zero). Called, it is
-    the loss of one batch on its own: ``total / trained(targets) + mean``."""
+    the loss of one batch on its own: ``total / trained(targets) + mean``. ``head``, where the loss
+    applies the model's output layer itself (runner/tasks/chunked_loss.py): ``head(targets)`` is what
+    the model is called with (``model(x, head=...)``), and its outputs are then what ``parts`` takes."""
 
-    def __init__(self, parts: Parts):
-        self.parts = parts
+    def __init__(self, parts: Parts, head: Callable[[torch.Tensor], Callable[..., Any]] | None = None):
+        self.parts, self.head = parts, head
 
     @classmethod
     def of(cls, fn: LossFn | StepLoss) -> StepLoss:

@@ -62,6 +62,7 @@ from distlib.runner import components
 from distlib.runner.config import LM_DATA, Config, ConfigError, task_of
 from distlib.runner.models.parameters import cast_frozen, param_groups
 from distlib.runner.tasks.causal_lm import recipe_vocab_size
+from distlib.runner.tasks.chunked_loss import chunked_cross_entropy, linear_cross_entropy
 from distlib.runner.training.optimizer_step import PRECISIONS
 
 GIB = 2**30
@@ -116,6 +117,8 @@ class MemoryPlan:
     warm_up: bool  # the runner's warm-up steps (train.prewarm_steps on a GPU) run with a copy of the weights
     modes: dict[str, ModePlan] = field(default_factory=dict)
     gpu_bytes: int | None = None  # the device's memory; None: no fit asked
+    # kept free of gpu_bytes for what the plan does not count (run.memory_margin_gib, run.memory_margin_fraction)
+    margin: int = 0
 
     def peak(self, shard: str | None = None, checkpointing: str | None = None) -> int:
         """The run's peak (the recipe's mode by default): a step's, with on top the larger of what
@@ -127,7 +130,14 @@ class MemoryPlan:
         return step + max(mode.warm_up_copy if self.warm_up else 0, mode.staging if self.staging == "device" else 0)
 
     def fits(self, shard: str | None = None, checkpointing: str | None = None) -> bool | None:
-        return None if self.gpu_bytes is None else self.peak(shard, checkpointing) <= self.gpu_bytes
+        """Whether the peak, with the margin for what the plan does not count, is within the device's memory."""
+        return None if self.gpu_bytes is None else self.peak(shard, checkpointing) + self.margin <= self.gpu_bytes
+
+    def device(self) -> str:
+        """The device's memory, and the margin kept of it."""
+        assert self.gpu_bytes is not None
+        kept = f" less a {size(self.margin)} margin (run.memory_margin_gib, run.memory_margin_fraction)"
+        return f"the device's {size(self.gpu_bytes)}{kept if self.margin else ''}"
 
     def verdict(self) -> str:
         """One line: the recipe's peak per rank and, with a device size, whether it fits."""
@@ -137,11 +147,11 @@ class MemoryPlan:
         if self.gpu_bytes is None:
             return head
         if self.fits():
-            return f"{head}: fits the device's {size(self.gpu_bytes)}"
-        return f"{head}: does not fit the device's {size(self.gpu_bytes)}{self._advice()}"
+            return f"{head}: fits {self.device()}"
+        return f"{head}: does not fit {self.device()}{self.advice()}"
 
-    def _advice(self) -> str:
-        """What would fit instead, among the modes measured."""
+    def advice(self) -> str:
+        """What would fit instead, among the modes measured ("; ..."), or what to change when none does."""
         fitting = [(self.peak(s, c), s, c) for s, m in self.modes.items() for c in m.steps if self.fits(s, c)]
         if not fitting:
             return "; no dist.shard or checkpointing mode fits: more ranks, or a smaller train.batch_size"
@@ -174,7 +184,8 @@ class MemoryPlan:
         if self.gpu_bytes is not None:
             for c in CHECKPOINTING:
                 if all(c in m.steps for m in self.modes.values()):
-                    rows.append((f"fits {size(self.gpu_bytes)}, checkpointing {c}",
+                    fit = f"{size(self.gpu_bytes)} - {size(self.margin)}" if self.margin else size(self.gpu_bytes)
+                    rows.append((f"fits {fit}, checkpointing {c}",
                                  ["yes" if self.fits(s, c) else "no" for s in shards]))  # fmt: skip
             if any(m.largest_batch is not None for m in self.modes.values()):
                 rows.append(("largest batch per rank *", [str(m.largest_batch) if m.largest_batch is not None
@@ -197,6 +208,14 @@ class MemoryPlan:
             for shard, m in d["modes"].items()
         }
         return cls(**{**d, "modes": modes})
+
+
+def margin_bytes(cfg: Config, gpu_bytes: int | None) -> int:
+    """What a verdict keeps free of a device of ``gpu_bytes`` for what the plan does not count:
+    run.memory_margin_gib plus run.memory_margin_fraction of the device (0 without a device)."""
+    if gpu_bytes is None:
+        return 0
+    return int(cfg.run.memory_margin_gib * GIB + cfg.run.memory_margin_fraction * gpu_bytes)
 
 
 def size(n: int) -> str:
@@ -232,6 +251,7 @@ class StepSpec:
     compress: str = "none"  # dist.compress: "bf16", GradSync keeps a bf16 copy of its buckets to send
     ema: bool = False  # train.ema > 0: an average of the weights (distlib.EMA), updated after each step
     compiled_blocks: bool = False  # train.compile compiles the blocks one by one with inductor
+    chunks: int = 0  # loss.chunks: the output layer and the loss in chunks, where the model takes a head
     # the compiled blocks' traces (seconds each), shared by every step measured of this spec: the model at
     # 2, 3, 4... blocks and each mode's step trace its blocks once (_partitioned_as_inductor)
     traces: dict[Any, Callable[..., Any]] = field(default_factory=dict, compare=False, repr=False)
@@ -272,6 +292,8 @@ def step_spec(cfg: Config) -> StepSpec:
         offload=cfg.dist.offload, fp8_recipe=t.fp8_recipe, fp8_layers=t.fp8_layers, momentum=t.momentum,
         nesterov=t.nesterov, cuda_graph=t.cuda_graph, compress=cfg.dist.compress, ema=t.ema > 0,
         compiled_blocks=t.compile in ("auto", "blocks") and t.compile_backend == "inductor",
+        chunks=cfg.loss.chunks if cfg.loss.name == "cross_entropy" and set(cfg.loss.args) <= {"label_smoothing"}
+        else 0,
     )  # fmt: skip
 
 
@@ -676,10 +698,19 @@ def measure_step(
             for m in model.modules() if shard == "full" else ():
                 if isinstance(m, FSDPModule):  # the last block stays gathered after forward: counted when
                     m.reshard()  # the measured step gathers it
+        # the output layer applied by the loss in chunks, inside the model's forward (runner/tasks/chunked_loss.py)
+        head = chunked_cross_entropy(spec.chunks).head(y) if spec.chunks and getattr(model, "takes_head", False) \
+            else None  # fmt: skip
         with _fsdp_parts(ledger) if shard == "full" else contextlib.nullcontext(), ledger:
             for k in range(spec.grad_accum):
                 if shard == "full":  # FSDPSync: no reduce-scatter before the last micro-batch, unless sharded
                     model.set_requires_gradient_sync(k == spec.grad_accum - 1 or spec.accumulate == "sharded")
+                if head is not None:
+                    with autocast:
+                        loss = model(x, head=head)
+                    loss.backward()
+                    del loss
+                    continue
                 with autocast:
                     out = model(x)
                     # a mixture of experts in training: (logits, aux_loss), the aux term added to the loss
@@ -780,6 +811,24 @@ def measure_loss(spec: StepSpec, batch: int, shard: str, precision: str) -> int:
 
     dtype = _COMPUTE[precision] or torch.float32
     ledger = Ledger()
+    if spec.chunks:
+        with FakeTensorMode(), torch.device("cpu"):
+            model = spec.build_layers(1) if spec.build_layers is not None else spec.build()
+            out_layer = (
+                model.lm_head if hasattr(model, "lm_head") else getattr(model, "hf", model).get_output_embeddings()
+            )
+            if getattr(model, "takes_head", False):  # the hidden states, one chunk's logits and the gradients
+                hidden = torch.empty(batch // spec.grad_accum, spec.seq_len, out_layer.weight.shape[1], dtype=dtype,
+                                     requires_grad=True)  # fmt: skip
+                weight = out_layer.weight.detach().to(dtype).requires_grad_()
+                y = torch.zeros(hidden.shape[:-1], dtype=torch.long)
+                layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+                layer.weight = nn.Parameter(weight)
+                ledger.hold(hidden, "activations")
+                with ledger, _autocast(dtype) if shard != "full" else contextlib.nullcontext():
+                    loss = linear_cross_entropy(hidden, layer, y, chunks=spec.chunks)
+                    loss.backward()
+                return ledger.peak
     with FakeTensorMode(), torch.device("cpu"):
         logits = torch.empty(batch // spec.grad_accum, spec.seq_len, spec.vocab_size, dtype=dtype,
                              requires_grad=True)  # fmt: skip
@@ -887,7 +936,8 @@ def plan(
     own = cfg.train.activation_checkpointing
     result = MemoryPlan(world_size=world_size, batch=batch, seq_len=spec.seq_len, precision=precision,
                         shard=cfg.dist.shard, checkpointing=own, staging=cfg.run.checkpoint_staging,
-                        warm_up=warm_up and cfg.train.prewarm_steps > 0, gpu_bytes=gpu_bytes)  # fmt: skip
+                        warm_up=warm_up and cfg.train.prewarm_steps > 0, gpu_bytes=gpu_bytes,
+                        margin=margin_bytes(cfg, gpu_bytes))  # fmt: skip
     # only FSDP2 needs a process group (a fake one; none and optimizer stand in for GradSync's)
     with fake_world(world_size) if "full" in shards else contextlib.nullcontext(), _meta_failures_unlogged():
         for shard in shards:
@@ -901,7 +951,8 @@ def plan(
                             warm_up_copy=parts["parameters"] - frozen)  # fmt: skip
             result.modes[shard] = mode
             if batches and gpu_bytes is not None:
-                room = gpu_bytes - (result.peak(shard, own) - steps[own].peak)  # what runs beside the steps
+                # what runs beside the steps, and the margin
+                room = gpu_bytes - result.margin - (result.peak(shard, own) - steps[own].peak)
 
                 def peak_at(micro: int, shard: str = shard) -> int:
                     return step_memory(spec, shard=shard, world_size=world_size, batch=micro * spec.grad_accum,
@@ -967,22 +1018,23 @@ def device_bytes(index: int | None = None) -> int | None:
     return min(torch.cuda.get_device_properties(i).total_memory for i in indices)
 
 
-def check_before_launch(cfg: Config) -> None:
+def check_before_launch(cfg: Config) -> MemoryPlan | None:
     """A run's memory plan at its start, before the process group (``run.memory_plan``: on a GPU by
     default): the recipe's own mode at the
     launcher's world size (``WORLD_SIZE``), one line in rank 0's log. On a GPU, a step that cannot fit
     it raises MemoryRefused on every rank (each computes the same plan, so all stop alike); on a CPU
     the line is all. A recipe the plan does not measure, or a model that cannot run on fake tensors,
-    is said in that line and the run goes on."""
+    is said in that line and the run goes on. Returns the plan (its verdict "fits"), or None when none
+    was made: a step that runs out of memory all the same names it (runner/training/out_of_memory.py)."""
     if cfg.dist.mode == "fallback":  # one process drives every GPU of its node: not one rank per GPU
-        return
+        return None
     # a CPU run has no device memory to run out of, and the plan costs seconds of start-up (more under
     # dist.shard=full, planned in a process of its own): made on a GPU, or when asked for
     if cfg.run.memory_plan == "off" or (cfg.run.memory_plan == "auto" and not torch.cuda.is_available()):
-        return
+        return None
     gpus = torch.cuda.device_count() if cfg.dist.backend != "gloo" else 0
     if gpus and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > gpus:
-        return  # more processes than GPUs: the process group's start names that error, a plan would not
+        return None  # more processes than GPUs: the process group's start names that error, a plan would not
     log = distlib.get_logger()
     main = os.environ.get("RANK", "0") == "0"
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -1016,15 +1068,16 @@ def check_before_launch(cfg: Config) -> None:
     if outcome == "not planned":
         if main:
             log.info("memory plan: not made: %s", result.removeprefix("memory plan: "))
-        return
+        return None
     if outcome == "failed":  # a model that does not run on fake tensors: the run itself is not in question
         if main:
             log.warning("memory plan: not made: the step did not run on fake tensors (%s)", result)
-        return
+        return None
     if result.fits() is False:
         raise MemoryRefused(result.verdict())
     if main:
         log.info("%s%s", result.verdict(), " (the plan of an earlier run: plan_cache)" if source == "cache" else "")
+    return result
 
 
 def _plan_here(cfg: Config, world: int, gpu: int | None, on_gpu: bool, modes: dict[str, Any]) -> tuple[str, Any]:

@@ -8,6 +8,10 @@ import signal
 import sys
 import time
 
+import torch
+
+from distlib.checkpoint.disk import describe_error as disk_full_line
+from distlib.checkpoint.disk import is_disk_full
 from distlib.distributed.process_group import context
 from distlib.errors import DistlibError
 from distlib.log import write_line
@@ -23,9 +27,9 @@ PEER_REPORT_WAIT_S = 30.0
 def exit_code(e: BaseException, timeout_s: float, *, before_start: bool = False) -> int | None:
     """Say in one line why the run ends and return its exit code; None for a bug (re-raise it).
 
-    2: bad input (the config, environment, data or a checkpoint); 1: a collective timed out or
-    lost a peer; 128 + the signal: SIGINT/SIGTERM before training started (stops inside it return
-    their own codes). ``before_start``: the error came from the recipe, before any process group
+    2: bad input (the config, environment, data or a checkpoint), a full disk, out of GPU memory; 1: a
+    collective timed out or lost a peer; 128 + the signal: SIGINT/SIGTERM before training started (stops
+    inside it return their own codes). ``before_start``: the error came from the recipe, before any process group
     (every local rank of a torchrun node read the same files and raised the same): reported once
     per node. Every rank leaves word of why it ends for its peers (``failures.report``): a rank whose
     collective fails because a peer left says what that peer said, with its exit code (a data error
@@ -38,8 +42,12 @@ def exit_code(e: BaseException, timeout_s: float, *, before_start: bool = False)
     described = describe(e, rank=rank, timeout_s=timeout_s)  # a collective's failure, or None
     if isinstance(e, GradSyncTimeout) and described is not None:
         message, code = described, 1  # another rank stalled or died (the runner has no uneven inputs)
-    elif isinstance(e, DistlibError):
+    elif isinstance(e, DistlibError):  # a full disk (DiskFull) and running out of memory (OutOfMemory) among them
         message, code = str(e), 2
+    elif is_disk_full(e):  # a write whose writer did not name it
+        message, code = disk_full_line(e), 2
+    elif isinstance(e, torch.OutOfMemoryError):  # outside the trainer's steps (building the model)
+        message, code = f"out of GPU memory: {_first_line(e)}", 2
     elif isinstance(e, Interrupted):  # a stop signal before training started
         name = "" if e.signum == signal.SIGINT else f" by {signal.Signals(e.signum).name}"
         message, code = f"interrupted{name}", 128 + e.signum
@@ -55,6 +63,11 @@ def exit_code(e: BaseException, timeout_s: float, *, before_start: bool = False)
     report(code, message)
     write_line(f"error: {message}")
     return code
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _after_a_lost_peer(e: BaseException, described: str, rank: int, timeout_s: float) -> tuple[str, int]:

@@ -259,7 +259,8 @@ def build_step(
                             post_step=post_step)  # fmt: skip
 
     whole = apply_block_settings(cfg, model)  # checkpointing and per-block compile, in place
-    parts = compiled_loss(cfg, loss_fn.parts)
+    # the loss compiled with the model; a loss the model applies (loss.chunks) compiles its own chunks
+    parts = compiled_loss(cfg, loss_fn.parts) if loss_fn.head is None else loss_fn.parts
     if shard == "full":
         sync = distlib.FSDPSync(model, accumulate=cfg.dist.accumulate)
         # FSDP2's mixed precision (shard_model's param_dtype) replaces autocast: the weights are
@@ -283,8 +284,12 @@ def build_step(
         opt = spec.build() if spec is not None else optimizer
     update = OptimizerStep(opt, scaler=scaler, clip_grad_norm=t.clip_grad_norm, clip_fn=sync.clip_grad_norm_)
 
+    head = loss_fn.head  # the loss applies the output layer, inside the model's forward (loss.chunks)
+
     def loss_of(x: Inputs, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with autocast:
+            if head is not None:  # the model returns the summed loss, in fp32
+                return parts(call_model(net, x, head=head(y)), y)
             out = call_model(net, x)
             if shard == "full":  # as autocast would: the loss's softmax and log in fp32
                 out = (_fp32(out[0]), *out[1:]) if isinstance(out, tuple) else _fp32(out)

@@ -19,11 +19,13 @@ must run its forward passes on every rank (``finish_task``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import itertools
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,8 +52,11 @@ from distlib.runner.training.batch import Inputs, to_device
 from distlib.runner.training.budget import Budget
 from distlib.runner.training.checkpoints import build_checkpoints
 from distlib.runner.training.compilation import load_compiler
+from distlib.runner.training.disk_room import checkpoint_bytes, warn_if_no_room
 from distlib.runner.training.float8 import convert_model
+from distlib.runner.training.memory_plan import MemoryPlan
 from distlib.runner.training.optimizer_step import OptimizerSpec, autocast_dtype, optimizer_spec
+from distlib.runner.training.out_of_memory import every_mode, out_of_memory
 from distlib.runner.training.schedule import WarmupLinear, ema_decay, retarget, warmup_linear
 from distlib.runner.training.step import TrainStep, build_step
 
@@ -62,7 +67,7 @@ _RESUME_FREE = {
     "train.cudnn_benchmark", "train.compile", "train.peak_tflops", "train.sample_tokens",
     "train.epochs", "train.max_steps", "train.eval_every_steps",
     "train.activation_checkpointing", "train.compile_backend", "model.block_class",
-    "train.fp8_recipe", "train.fp8_layers",
+    "train.fp8_recipe", "train.fp8_layers", "loss.chunks",
 }  # fmt: skip
 
 
@@ -116,8 +121,12 @@ class Trainer:
     """Trains ``cfg`` on this rank. ``build``, ``fit`` and the stages they run are collectives:
     every rank must call them, in the same order. ``close`` is the one teardown."""
 
-    def __init__(self, cfg: Config, ctx: Context, timeline: Timeline | None = None):
+    def __init__(self, cfg: Config, ctx: Context, timeline: Timeline | None = None,
+                 memory_plan: MemoryPlan | None = None):  # fmt: skip
+        """``memory_plan``: the plan made at the start (``check_before_launch``), which a step that runs out
+        of memory names (runner/training/out_of_memory.py)."""
         self.cfg, self.ctx = cfg, ctx
+        self.memory_plan = memory_plan
         self.timeline = timeline or Timeline()
         self.timeline.mark("init")  # the process group (NCCL: CUDA context and communicator)
         self.finished_rows: list[dict[str, Any]] | None = None  # metrics.jsonl once training completed
@@ -133,6 +142,7 @@ class Trainer:
                                      enabled=p.enabled, wait=p.wait, warmup=p.warmup, active=p.active)  # fmt: skip
         self.step_fn: TrainStep | None = None
         self._final_save_t0: float | None = None  # when the final checkpoint's save began
+        self._in_step = False  # inside train_step: where running out of memory is "at step N"
         self.task: Task | None = None
         self.metrics: Metrics | None = None  # the sinks of the metrics rows, built at the resume
         self.stop: StopSignal | None = None
@@ -188,7 +198,8 @@ class Trainer:
         self.log.info("budget: %s", self.budget.describe())
         self.timeline.mark("run_dir")  # config.yaml, environment.json
         if ctx.device.type == "cuda":
-            self.warm_up()
+            with self.out_of_memory_said("in the warm-up"):
+                self.warm_up()
             self.timeline.mark("warmup_eval")  # the first evaluation (its cuDNN autotuning)
         self.resume()
         # Compiling leaves many Python objects (graphs, guards, generated code): a full pass of the
@@ -271,6 +282,12 @@ class Trainer:
             keep=cfg.run.keep_checkpoints, timeout_s=cfg.dist.timeout_s, staging=cfg.run.checkpoint_staging,
         )  # fmt: skip
         self.checkpoints.resume(enabled=cfg.run.resume)  # whether it is complete: the budget's to say
+        if self.ctx.is_main and cfg.run.final_checkpoint != "none":
+            t = cfg.train
+            need = checkpoint_bytes(self.model, t.optimizer, momentum=t.momentum, ema=self.ema is not None,
+                                    weights_only=cfg.run.final_checkpoint == "weights" and not (
+                                        cfg.run.checkpoint_every or cfg.run.checkpoint_every_steps))  # fmt: skip
+            warn_if_no_room(self.run.path, need)
         self.step_fn.weights_changed()  # loaded in place: what the step derives from them is computed again
         self.resume_budget()
         self.loader.set_epoch(self.state.epoch)
@@ -315,10 +332,11 @@ class Trainer:
         self.profiler.start()
         self.timeline.training_started()
         self.task.train_metrics(collect=False)  # what the warm-up's steps added
-        while not self.budget.done(self.global_step):
-            if not self.train_epoch():
-                return self.stop.exit_code
-        self.finish_task()
+        with self.out_of_memory_said(None):
+            while not self.budget.done(self.global_step):
+                if not self.train_epoch():
+                    return self.stop.exit_code
+            self.finish_task()
         self.timeline.mark("sample")  # what the task shows at the end: a language model's generated sample
         self.checkpoints.finish()  # the final checkpoint, written meanwhile: committed after the last row
         self.timeline.mark("checkpoint")  # what is left of its write after the evaluation and the sample
@@ -336,13 +354,29 @@ class Trainer:
             return self.stop.exit_code
         return 0
 
+    @contextlib.contextmanager
+    def out_of_memory_said(self, where: str | None) -> Iterator[None]:
+        """Out of GPU memory inside: ``OutOfMemory``, one line saying ``where`` (None: "at step N" when in
+        a step, else after the last one: an evaluation, a checkpoint's staging), with what the plan said
+        and what would fit, in place of torch's traceback."""
+        try:
+            yield
+        except torch.OutOfMemoryError as e:
+            if where is None:
+                where = (f"at step {self.global_step + 1}" if self._in_step else
+                         f"after step {self.global_step} (an evaluation, a checkpoint's staging)")  # fmt: skip
+            plan = every_mode(self.cfg, self.memory_plan) if self.memory_plan is not None else None
+            raise out_of_memory(e, where=where, rank=self.ctx.rank, device=self.ctx.device, plan=plan) from None
+
     def train_step(self, x: Inputs, y: torch.Tensor) -> None:
         """One optimizer step (the EMA's update included), the schedule. ``x``: a tensor, or a mapping
         of tensors (the model called with ``model(**x)``)."""
         device = self.ctx.device
         if self.ema is not None:
             self.ema.set_decay(ema_decay(self.cfg.train.ema, self.global_step))
+        self._in_step = True
         loss = self.step_fn(to_device(x, device), y.to(device, non_blocking=True))
+        self._in_step = False
         self.state.loss_sum += loss
         self.state.trained_sum += self.step_fn.trained
         self.state.step += 1

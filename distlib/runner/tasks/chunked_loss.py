@@ -1,0 +1,142 @@
+"""The output layer and the cross-entropy in chunks of tokens, never holding the whole logits
+(``loss.chunks``; docs/loss.md).
+
+At Llama-3's 128k vocabulary and 8 x 2048 tokens the plain loss holds 4 GiB of bf16 logits, their
+8 GiB fp32 copy and the gradients of both: the largest single term of a step's peak. Here the
+model returns its last hidden states to ``head`` (inside its own forward, so that a fully sharded
+output layer is the one FSDP2 gathered for it), which takes the logits of one chunk of tokens at
+a time, their summed cross-entropy and, at once, that chunk's share of the gradients of the hidden
+states and of the output matrix (the softmax minus the smoothed one-hot, multiplied back); only
+those gradients are kept until the backward, which scales them by the loss's gradient. So the
+matrix products are the plain loss's three, and one chunk's logits are all that ever exist.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distlib.runner.data.text import IGNORED
+from distlib.runner.tasks.losses import StepLoss, cross_entropy
+
+
+def _chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, smoothing: float, grads: bool):
+    """One chunk: the summed cross-entropy of its trained rows (fp32) and, with ``grads``, the
+    gradient of that sum with respect to the chunk's logits (fp32; zero on ignored rows)."""
+    logits = (h @ weight.t()).float()  # in the inputs' dtype, as autocast's linear, then fp32 as the plain loss
+    keep = y != IGNORED
+    safe = torch.where(keep, y, 0)
+    lse = torch.logsumexp(logits, dim=-1)
+    nll = lse - logits.gather(1, safe.unsqueeze(1)).squeeze(1)
+    loss = nll if smoothing == 0 else (1 - smoothing) * nll + smoothing * (lse - logits.mean(-1))
+    total = torch.where(keep, loss, 0).sum()
+    if not grads:
+        return total, None
+    g = torch.softmax(logits, dim=-1)  # d loss / d logits = softmax - (1 - e) onehot - e / V
+    if smoothing:
+        g -= smoothing / logits.shape[-1]
+    g.scatter_add_(1, safe.unsqueeze(1), torch.full_like(g[:, :1], -(1 - smoothing)))
+    g *= keep.unsqueeze(1)
+    return total, g
+
+
+_compiled: dict[str, object] = {}  # the backend: _chunk compiled with it (one graph a chunk shape)
+
+
+def _chunk_fn(compile_backend: str | None):
+    if compile_backend is None:
+        return _chunk
+    if compile_backend not in _compiled:
+        _compiled[compile_backend] = torch.compile(_chunk, backend=compile_backend, dynamic=False)
+    return _compiled[compile_backend]
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunks: int, smoothing: float,
+                grads: bool, weight_grad: bool, compile_backend: str | None):  # fmt: skip
+        chunk = _chunk_fn(compile_backend)
+        total = torch.zeros((), device=h.device, dtype=torch.float32)
+        grad_h = torch.empty_like(h) if grads else None
+        # a frozen output layer (adapters train the rest): no gradient of it to compute or keep
+        grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if grads and weight_grad else None
+        start = 0
+        for hc, yc in zip(h.chunk(chunks), y.chunk(chunks)):
+            part, g = chunk(hc, weight, yc, smoothing, grads)
+            total += part
+            if grads:
+                g = g.to(h.dtype)
+                grad_h[start : start + hc.shape[0]] = g @ weight
+                if grad_w is not None:
+                    grad_w.addmm_(g.t(), hc)  # fp32 accumulation over the chunks
+            start += hc.shape[0]
+        if grads:
+            ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        grad_w = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
+        return grad_h * grad_out.to(grad_h.dtype), grad_w, None, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    targets: torch.Tensor,
+    *,
+    chunks: int = 8,
+    label_smoothing: float = 0.0,
+    compile_backend: str | None = None,
+) -> torch.Tensor:
+    """``cross_entropy(head(hidden), targets, reduction="sum")`` over the targets that are not
+    ``IGNORED``, in ``chunks`` chunks of tokens: the same loss and gradients (hidden states, the
+    output matrix), never all the logits at once. ``head``: the output layer, a bias-free
+    ``nn.Linear`` (anything else is applied whole: the plain loss). Under autocast the products run
+    in its dtype, as ``head(hidden)`` would; the softmax in fp32. ``compile_backend``: each chunk's
+    work compiled with it (``train.compile``: one kernel from the product's output to its gradient)."""
+    weight = getattr(head, "weight", None)
+    if type(head) is not nn.Linear or head.bias is not None or weight is None:
+        logits = head(hidden)
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORED,
+                               reduction="sum", label_smoothing=label_smoothing)  # fmt: skip
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    h, w = hidden.flatten(0, -2).to(dtype), weight.to(dtype)
+    grads = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)  # evaluation: the loss alone
+    with torch.autocast(device, enabled=False):
+        return _LinearCrossEntropy.apply(h, w, targets.flatten(), max(1, chunks), label_smoothing, grads,
+                                         w.requires_grad, compile_backend)  # fmt: skip
+
+
+def _apply(hidden: torch.Tensor, head: nn.Module, *, targets: torch.Tensor, chunks: int, label_smoothing: float,
+           compile_backend: str | None) -> torch.Tensor:  # fmt: skip
+    return linear_cross_entropy(hidden, head, targets, chunks=chunks, label_smoothing=label_smoothing,
+                                compile_backend=compile_backend)  # fmt: skip
+
+
+def chunked_cross_entropy(chunks: int, label_smoothing: float = 0.0, compile_backend: str | None = None) -> StepLoss:
+    """The causal-LM cross-entropy as a ``StepLoss`` whose ``head(targets)`` the model applies to its
+    hidden states and output layer (``model(x, head=...)``) and returns the summed loss of. Given
+    logits instead (a step that called the model without the head: dist.mode=fallback, where
+    Replicas calls the model), the plain summed cross-entropy. ``compile_backend``: see
+    ``linear_cross_entropy``."""
+    plain = functools.partial(cross_entropy, label_smoothing=label_smoothing, reduction="sum")
+
+    def head(targets: torch.Tensor) -> Callable[[torch.Tensor, nn.Module], torch.Tensor]:
+        return functools.partial(_apply, targets=targets, chunks=chunks, label_smoothing=label_smoothing,
+                                 compile_backend=compile_backend)  # fmt: skip
+
+    def parts(out: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total = out if out.dim() == 0 else plain(out, targets)
+        return total, torch.zeros((), device=total.device)
+
+    return StepLoss(parts, head=head)
+
+
+__all__ = ["chunked_cross_entropy", "linear_cross_entropy"]

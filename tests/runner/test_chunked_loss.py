@@ -1,0 +1,150 @@
+"""The output layer and the cross-entropy in chunks (runner/tasks/chunked_loss.py, ``loss.chunks``):
+the plain loss's value and gradients, never the whole logits.
+
+In fp32 with ignored (-100) targets and label smoothing: the loss and the gradients of the hidden
+states and the output matrix; then whole models (the built-in GPT, its embedding tied to its output
+layer, and a tiny transformers Llama, tied too) at 2 and 3 gloo ranks with the step's trained-token
+mean, replicated and fully sharded (FSDP2: the output layer gathered inside the model's forward):
+every parameter's gradient and each step's loss equal the plain loss's within 1e-5.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import distlib
+from distlib.runner.config import Config
+from distlib.runner.tasks.chunked_loss import chunked_cross_entropy, linear_cross_entropy
+from distlib.runner.tasks.losses import cross_entropy
+from distlib.runner.training.step import build_step
+from tests.conftest import run_ranks
+
+SMOOTHING = 0.1
+VOCAB, T, ROWS = 61, 10, 6  # 6 rows divide over 2 and 3 ranks
+
+
+def _targets(g: torch.Generator, rows: int, t: int, vocab: int) -> torch.Tensor:
+    y = torch.randint(0, vocab, (rows, t), generator=g)
+    y[:, : t // 3] = -100  # a prompt
+    y[0] = -100  # a row with nothing trained
+    y[-1, -4:] = -100  # pads
+    return y
+
+
+@pytest.mark.parametrize(("chunks", "backend"), [(1, None), (3, None), (7, None), (64, None), (3, "aot_eager")])
+@pytest.mark.parametrize("smoothing", [0.0, SMOOTHING])
+def test_the_chunked_loss_has_the_plain_losss_value_and_gradients(chunks, backend, smoothing):
+    g = torch.Generator().manual_seed(chunks)
+    hidden = torch.randn(ROWS, T, 12, generator=g, requires_grad=True)
+    head = nn.Linear(12, VOCAB, bias=False)
+    y = _targets(g, ROWS, T, VOCAB)
+    got = linear_cross_entropy(hidden, head, y, chunks=chunks, label_smoothing=smoothing, compile_backend=backend)
+    want = F.cross_entropy(head(hidden).flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum",
+                           label_smoothing=smoothing)  # fmt: skip
+    n = int((y != -100).sum())
+    assert abs(got.item() - want.item()) / n < 1e-6
+    got_grads = torch.autograd.grad(got / n * 3.0, [hidden, head.weight])  # a scaled loss (world size / N, fp16)
+    want_grads = torch.autograd.grad(want / n * 3.0, [hidden, head.weight])
+    for a, b in zip(got_grads, want_grads):
+        assert (a - b).abs().max() < 1e-6
+    with torch.no_grad():  # evaluation: the loss alone, nothing to backward
+        assert (
+            abs(
+                linear_cross_entropy(hidden, head, y, chunks=chunks).item()
+                - F.cross_entropy(head(hidden).flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum").item()
+            )
+            / n
+            < 1e-6
+        )
+
+
+def test_an_output_layer_with_a_bias_or_of_another_kind_is_applied_whole():
+    g = torch.Generator().manual_seed(5)
+    hidden, y = torch.randn(2, T, 12, generator=g), _targets(g, 2, T, VOCAB)
+    head = nn.Linear(12, VOCAB)  # a bias: the plain loss
+    want = F.cross_entropy(head(hidden).flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+    torch.testing.assert_close(linear_cross_entropy(hidden, head, y, chunks=4), want)
+
+
+def _model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt":
+        from distlib.runner.models.gpt import gpt
+
+        return gpt(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=2, n_embd=16)
+    from distlib.runner.models.hf_causal_lm import hf_causal_lm
+
+    return hf_causal_lm(config=dict(model_type="llama", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB,
+                                    max_position_embeddings=T, tie_word_embeddings=True))  # fmt: skip
+
+
+def _batches(world_size: int, steps: int = 2) -> list:
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, VOCAB, (ROWS, T), generator=g)
+        y = _targets(g, ROWS, T, VOCAB)
+        y[ROWS // world_size :] = torch.where(torch.rand(y[ROWS // world_size :].shape, generator=g) < 0.2, -100,
+                                              y[ROWS // world_size :])  # fmt: skip
+        out.append((x, y))
+    return out
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+            for n, p in model.named_parameters()}  # fmt: skip
+
+
+def _rank(ctx, kind: str) -> dict:
+    out = {}
+    for shard in ("none", "full"):
+        for chunked in (False, True):
+            cfg = Config()
+            cfg.dist.shard = shard
+            cfg.train.batch_size, cfg.train.label_smoothing = ROWS, SMOOTHING
+            model = _model(kind)
+            if shard == "full":
+                model = distlib.shard_model(model, device=ctx.device)
+            loss = chunked_cross_entropy(3, SMOOTHING) if chunked else functools.partial(
+                cross_entropy, label_smoothing=SMOOTHING)  # fmt: skip
+            opt = torch.optim.SGD(model.parameters(), lr=1.0)  # each step's change: minus the gradient
+            step = build_step(cfg, ctx, model, opt, ROWS // ctx.world_size, loss_fn=loss)
+            per = ROWS // ctx.world_size
+            rows = slice(ctx.rank * per, (ctx.rank + 1) * per)
+            if chunked:  # the model applies the head: it returns the summed loss, not logits
+                x, y = _batches(ctx.world_size)[0]
+                with torch.no_grad():
+                    assert model(x[rows], head=loss.head(y[rows])).dim() == 0
+            history = [_full(model)]
+            losses = []
+            for x, y in _batches(ctx.world_size):
+                losses.append(distlib.all_reduce(step(x[rows], y[rows]).detach().clone(), op="mean").item())
+                history.append(_full(model))
+            step.close()
+            out[(shard, chunked)] = (losses, history)
+    return out
+
+
+@pytest.mark.parametrize(("kind", "world_size"), [("gpt", 3), ("llama", 2)])
+def test_a_model_trains_with_the_chunked_loss_as_with_the_plain_one(kind, world_size):
+    """Tied embeddings: the output layer's gradient and the embedding's are one, both paths'."""
+    results = run_ranks(_rank, world_size, kind, timeout=300)[0]
+    for shard in ("none", "full"):
+        plain_losses, plain = results[(shard, False)]
+        losses, chunked = results[(shard, True)]
+        assert max(abs(a - b) for a, b in zip(losses, plain_losses)) < 1e-5, (shard, losses, plain_losses)
+        for k in range(1, len(plain)):
+            names = plain[k].keys()
+            assert names == chunked[k].keys()
+            for name in names:
+                want = plain[k][name] - plain[k - 1][name]  # minus the gradient
+                got = chunked[k][name] - chunked[k - 1][name]
+                assert want.abs().max() > 0 or "wpe" in name or "bias" in name, name
+                assert (got - want).abs().max() < 1e-5, (shard, k, name)
+    assert results[("none", True)][0] == pytest.approx(results[("full", True)][0], abs=1e-5)
