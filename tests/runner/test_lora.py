@@ -222,3 +222,136 @@ def test_without_peft_the_check_says_how_to_install_it(folder, tmp_path, monkeyp
     with pytest.raises(ConfigError) as e:
         load_config(path)
     assert len(e.value.problems) == 1 and "pip install 'distlib[peft]'" in e.value.problems[0]
+
+
+# ---- kill -9 and resume, end to end ------------------------------------------------------------
+@pytest.mark.slow
+def test_a_lora_run_killed_with_sigkill_resumes_bit_for_bit(folder, tmp_path):  # noqa: F811
+    """``python launch.py`` of a LoRA recipe (ZeRO-1's code path at world size 1) killed with SIGKILL
+    once its first checkpoint is committed, then run again with the same command: it resumes from
+    that checkpoint, and its rows and final adapters and optimizer state equal an uninterrupted run's
+    bit for bit."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+    from tests.runner.conftest import saved, step_name
+
+    root, _ = folder
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def command(out: str) -> list[str]:
+        path = recipe(root, out, {"pretrained": str(root / "tiny"), "lora": SUBSET}, epochs=6)
+        return [sys.executable, "launch.py", path, "dist.shard=optimizer", "run.checkpoint_every=1"]
+
+    ref, out = str(tmp_path / "ref"), str(tmp_path / "killed")
+    assert subprocess.run(command(ref), cwd=ROOT, env=env, capture_output=True).returncode == 0
+    proc = subprocess.Popen(command(out), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = os.path.join(out, "checkpoints", step_name(2))
+    end = time.monotonic() + 300
+    while not os.path.exists(first) and proc.poll() is None and time.monotonic() < end:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(metrics(out)) < 6
+    again = subprocess.run(command(out), cwd=ROOT, env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from" in again.stderr
+    keys = ("epoch", "step", "train_loss", "val_loss", "lr")
+    assert [{k: r[k] for k in keys} for r in metrics(out)] == [{k: r[k] for k in keys} for r in metrics(ref)]
+    a, b = saved(out), saved(ref)
+    for name in ("model", "optimizer"):
+        flat_a = {k: v for k, v in torch.utils._pytree.tree_flatten_with_path(a[name])[0]}
+        flat_b = {k: v for k, v in torch.utils._pytree.tree_flatten_with_path(b[name])[0]}
+        assert flat_a.keys() == flat_b.keys()
+        for k in flat_a:
+            va, vb = flat_a[k], flat_b[k]
+            assert torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb, (name, k)
+    assert all(_adapter(k) for k in a["model"])
+
+
+# ---- the memory plan ---------------------------------------------------------------------------
+def test_the_plan_counts_no_gradient_nor_optimizer_state_for_the_frozen_base(folder, tmp_path, world_size_1):  # noqa: F811
+    """The plan of a bf16 LoRA recipe: the frozen base in bf16 (2 bytes an element), the adapters in
+    fp32 with their gradients and AdamW's two moments, nothing more; the full recipe's plan holds
+    fp32 weights, gradients and moments for every parameter; the warm-up's and the checkpoint's
+    copies are of the adapters alone."""
+    from distlib.runner.training.memory_plan import measure_step, plan, step_spec
+
+    root, _ = folder
+    parts, models = {}, {}
+    for name, extra in (("full", {}), ("lora", {"lora": SUBSET})):
+        cfg = load_config(recipe(root, str(tmp_path / name), {"pretrained": str(root / "tiny"), **extra}),
+                          ["train.precision=bf16", "dist.shard=none"])  # fmt: skip
+        spec = step_spec(cfg)
+        models[name] = spec.build()
+        parts[name] = measure_step(spec, shard="none", world_size=1, batch=2, checkpointing="none", precision="bf16")
+        if name == "lora":
+            mode = plan(cfg, 1, shards=("none",), checkpointing=("none",), batches=False).modes["none"]
+    every = sum(p.numel() for p in models["full"].parameters())
+    trained = sum(p.numel() for p in models["lora"].parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in models["lora"].parameters() if not p.requires_grad)
+    assert frozen == every and 0 < trained < every / 10
+    buffers = sum(b.numel() * b.element_size() for b in models["full"].buffers())  # rotary frequencies
+    full, lora = parts["full"], parts["lora"]
+    assert full.parts["parameters"] == 4 * every + buffers and full.frozen == 0
+    assert full.parts["optimizer state"] == pytest.approx(8 * every, abs=4096)
+    assert lora.parts["parameters"] == 2 * frozen + 4 * trained + buffers and lora.frozen == 2 * frozen
+    assert lora.parts["optimizer state"] == pytest.approx(8 * trained, abs=4096)  # and AdamW's step counters
+    assert lora.parts["gradients"] <= 4 * trained
+    assert mode.warm_up_copy == 4 * trained + buffers
+    assert mode.staging == 4 * trained + buffers + lora.parts["optimizer state"]
+
+
+# ---- conversations -----------------------------------------------------------------------------
+def _chat_run(ctx, out: str, cache: str) -> dict:
+    from tests.conftest import ROOT
+
+    overrides = [f"run.out_dir={out}", f"data.cache_dir={cache}", "data.args.eval_answers=0", "train.max_steps=3",
+                 "train.batch_size=4", "dist.shard=full", "run.progress=plain",
+                 "model.args.lora={r: 3, alpha: 5}"]  # fmt: skip
+    cfg = load_config(os.path.join(ROOT, "recipes", "sft_demo.yaml"), overrides)
+    with group_kept(), built(cfg, ctx) as trainer:
+        before = whole(trainer.model)
+        trainer.step_fn = step = _DictBatches(trainer.step_fn)
+        assert trainer.fit() == 0
+        after = whole(trainer.model)
+    return {"batch": step.batch, "losses": step.losses, "before": before, "after": after}
+
+
+class _DictBatches(FirstBatch):
+    """FirstBatch for chat batches: ``x`` a dict of tensors."""
+
+    def __call__(self, x, y: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        if self.batch is None:
+            self.batch = ({k: v.detach().cpu().clone() for k, v in x.items()}, y.detach().cpu().clone())
+        loss = self.step(x, y)
+        self.losses.append(loss.item())
+        return loss
+
+
+def test_adapters_train_on_conversations(tmp_path):
+    """recipes/sft_demo.yaml (chat batches: a dict of input_ids and position_ids, prompts masked) with
+    LoRA under FSDP2 at two ranks: the adapters move, the base does not, the losses are finite."""
+    got = run_ranks(_chat_run, 2, str(tmp_path / "run"), str(tmp_path), timeout=300)
+    for r in got:
+        x, _ = r["batch"]
+        assert isinstance(x, dict) and "position_ids" in x
+        assert all(loss == loss and loss > 0 for loss in r["losses"])
+        moved = [k for k in r["after"] if not torch.equal(r["after"][k], r["before"][k])]
+        assert moved and all(_adapter(k) for k in moved)
+        assert any(".lora_B." in k for k in moved)
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_tiny_on_the_cpu(capsys):
+    """bench/lora.py at tiny shapes: every case runs in its process and gives its row."""
+    from bench import lora as bench
+
+    assert bench.main(["--tiny", "--steps", "1", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    for case in bench.CASES:
+        assert f"| {case} |" in out

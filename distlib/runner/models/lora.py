@@ -94,9 +94,40 @@ def inject(hf: nn.Module, spec: Mapping[str, Any]) -> None:
     from distlib.runner.config import ConfigError
 
     try:
-        _peft().inject_adapter_in_model(lora_config(spec), hf, adapter_name=ADAPTER)
+        if any(_fake(p) for p in hf.parameters()):
+            _on_fake_tensors(hf, spec)
+        else:
+            _peft().inject_adapter_in_model(lora_config(spec), hf, adapter_name=ADAPTER)
     except ValueError as e:  # no module matched target_modules: peft's words
         raise ConfigError([f"model.args.lora.target_modules: {' '.join(str(e).split())[:300]}"]) from e
+
+
+def _fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _on_fake_tensors(hf: nn.Module, spec: Mapping[str, Any]) -> None:
+    """The injection on a model of fake tensors (the memory plan): peft moves each new adapter to its
+    base layer's device and dtype with ``Module.to`` although it is there already (built beside it, in
+    its dtype), and on fake tensors ``Module.to`` swaps every tensor, which torch refuses for tensors
+    the fake mode references; here a ``to`` that would change nothing returns the module as it is."""
+    real = nn.Module.to
+
+    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*self.parameters(), *self.buffers()]
+        if all((device is None or t.device == device) and (dtype is None or not t.is_floating_point()
+                                                            or t.dtype == dtype) for t in tensors):  # fmt: skip
+            return self
+        return real(self, *args, **kwargs)
+
+    nn.Module.to = to  # type: ignore[method-assign]
+    try:
+        _peft().inject_adapter_in_model(lora_config(spec), hf, adapter_name=ADAPTER)
+    finally:
+        nn.Module.to = real  # type: ignore[method-assign]
 
 
 def adapters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:

@@ -87,6 +87,7 @@ class StepMemory:
 
     peak: int
     parts: dict[str, int]
+    frozen: int = 0  # of "parameters": those that do not train (a LoRA base), which no save or warm-up copies
 
 
 @dataclass
@@ -97,8 +98,8 @@ class ModePlan:
     shard: str
     steps: dict[str, StepMemory]  # train.activation_checkpointing -> the step's peak
     logits_and_loss: int
-    staging: int  # a copy of this rank's parameters and optimizer state
-    warm_up_copy: int  # a copy of this rank's parameters and buffers
+    staging: int  # a copy of this rank's trained parameters and optimizer state
+    warm_up_copy: int  # a copy of this rank's trained parameters and buffers
     largest_batch: int | None = None  # per rank, at the recipe's checkpointing; None: not asked
 
 
@@ -618,9 +619,9 @@ def measure_step(
             raise PlanError([f"memory plan: the model's builder returned {type(model).__name__}, not an nn.Module"])
         stack.enter_context(_flex_attention_as_sdpa())  # after the build: it imports transformers, if anything
         blocks = distlib.find_blocks(model, spec.block_class or None)
+        cast_frozen(model, dtype)  # as the runner: a frozen base (LoRA's) in the compute dtype, no gradient
         if precision == "fp8":
             _float8_linears(model, spec, blocks)
-        cast_frozen(model, dtype)  # as the runner: a frozen base (LoRA's) in the compute dtype, no gradient
         if shard == "full":  # as shard_model: each block, the last kept gathered after forward, then the root
             policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
             again = spec.reshard_after_forward
@@ -728,13 +729,19 @@ def measure_step(
                 step_optimizer()
     parts = dict(ledger.at_peak)
     peak = ledger.peak
+    frozen = sum(_local(p).untyped_storage().nbytes() for p in model.parameters() if not p.requires_grad)
     if shard == "full" and spec.offload:
         # FSDP2's CPU offload keeps the weight, gradient and optimizer-state shards on the host (fake
         # tensors live on one device: the host's part of the peak is taken out of the device's)
         for part in ("parameters", "gradients", "optimizer state"):
             peak -= parts[part]
             parts[part] = 0
-    return StepMemory(peak=peak, parts=parts)
+        frozen = 0
+    return StepMemory(peak=peak, parts=parts, frozen=frozen)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _partitioned_as_inductor(block: nn.Module, traced: dict[Any, Callable[..., Any]], context: tuple = ()) -> None:
@@ -859,7 +866,8 @@ def step_memory(spec: StepSpec, **kwargs: Any) -> StepMemory:
         before, last = last, measure_step(spec, layers=k, **kwargs)
         if growth(before, last) == step:
             parts = {part: last.parts[part] + (n - k) * step[part] for part in last.parts}
-            return StepMemory(peak=last.peak + (n - k) * (last.peak - before.peak), parts=parts)
+            frozen = last.frozen + (n - k) * (last.frozen - before.frozen)
+            return StepMemory(peak=last.peak + (n - k) * (last.peak - before.peak), parts=parts, frozen=frozen)
     return measure_step(spec, **kwargs)
 
 
@@ -935,11 +943,12 @@ def plan(
         for shard in shards:
             steps = {c: step_memory(spec, shard=shard, world_size=world_size, batch=batch, checkpointing=c,
                                      precision=precision) for c in dict.fromkeys((*checkpointing, own))}  # fmt: skip
-            parts = steps[own].parts
-            # a copy of what is on the device (nothing with dist.offload: the shards are on the host)
+            parts, frozen = steps[own].parts, steps[own].frozen
+            # a copy of what is on the device (nothing with dist.offload: the shards are on the host); of
+            # the parameters, those that train: a frozen base is neither saved nor changed by the warm-up
             mode = ModePlan(shard, steps, logits_and_loss=measure_loss(spec, batch, shard, precision),
-                            staging=parts["parameters"] + parts["optimizer state"],
-                            warm_up_copy=parts["parameters"])  # fmt: skip
+                            staging=parts["parameters"] - frozen + parts["optimizer state"],
+                            warm_up_copy=parts["parameters"] - frozen)  # fmt: skip
             result.modes[shard] = mode
             if batches and gpu_bytes is not None:
                 # what runs beside the steps, and the margin

@@ -239,13 +239,14 @@ class Trainer:
             model = distlib.shard_model(build, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
                                         device=device, block_types=block_types, empty=empty, offload=cfg.dist.offload,
                                         reshard_after_forward=cfg.dist.reshard_after_forward,
-                                        convert=lambda m: (convert_model(cfg, m, device),
-                                                           cast_frozen(m, dtype)))  # fmt: skip
+                                        convert=lambda m: (cast_frozen(m, dtype),
+                                                           convert_model(cfg, m, device)))  # fmt: skip
         else:
             with torch.device(device):  # where it runs: no copy on the host first
                 model = build().to(device)  # .to: a no-op, unless the model put a tensor on a device of its own
+            # a frozen base (LoRA's) in the compute dtype, no fp32 copy; before float8 wraps its weights
+            cast_frozen(model, autocast_dtype(cfg.train.precision, device))
             convert_model(cfg, model, device)
-            cast_frozen(model, autocast_dtype(cfg.train.precision, device))  # a frozen base: no fp32 copy
             if cfg.model.channels_last:  # changes 4-D (convolution) weights only
                 model = model.to(memory_format=torch.channels_last)
         if callable(load := getattr(model, "load_pretrained", None)):

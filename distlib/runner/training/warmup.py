@@ -17,8 +17,16 @@ from torch import nn
 
 @torch.no_grad()
 def _snapshot(modules: list[nn.Module]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    tensors = itertools.chain.from_iterable(itertools.chain(m.parameters(), m.buffers()) for m in modules)
-    return [(t, t.detach().clone()) for t in tensors]
+    """Every tensor a step may change: the buffers, and the parameters, but for the frozen ones
+    (``requires_grad=False``) of a module that trains others (a LoRA model's base: no step changes
+    it). A module none of whose parameters trains (a weight average, moved outside autograd) is
+    copied whole."""
+    out = []
+    for m in modules:
+        trains = any(p.requires_grad for p in m.parameters())
+        params = [p for p in m.parameters() if p.requires_grad or not trains]
+        out += [(t, t.detach().clone()) for t in itertools.chain(params, m.buffers())]
+    return out
 
 
 def warm_up(step: Callable[[], object], modules: list[nn.Module], optimizer: torch.optim.Optimizer, steps: int) -> None:
