@@ -59,8 +59,9 @@ class LossConfig:
     name: str = "cross_entropy"
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments bound to the loss
     # a language model's cross_entropy with its output layer in this many chunks of tokens, never
-    # holding the whole logits (gpt, hf_causal_lm; docs/loss.md); 0 = the output layer in the model
-    chunks: int = 8
+    # holding the whole logits (gpt, hf_causal_lm; docs/loss.md): less memory, a larger batch, but a
+    # slower step at the same batch on a GPU; 0 = the plain loss (the output layer in the model)
+    chunks: int = 0
 
 
 @dataclass
