@@ -94,8 +94,12 @@ def _fsync_files(paths: list[str], threads: int) -> None:
         return
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(min(threads, len(paths))) as pool:
-        list(pool.map(sync, paths))
+    try:
+        with ThreadPoolExecutor(min(threads, len(paths))) as pool:
+            list(pool.map(sync, paths))
+    except RuntimeError:  # at interpreter exit (the exit hook committing a save in flight): no new threads
+        for path in paths:
+            sync(path)
 
 
 def model_fingerprint(objects: Mapping[str, Any]) -> dict[str, str]:
@@ -286,6 +290,13 @@ def _frozen_names(module: nn.Module) -> set[str]:
     return {_plain(n) for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
+def _keeps_frozen(module: nn.Module, frozen: bool) -> bool:
+    """Whether ``module``'s frozen parameters go into the checkpoint: always with ``frozen``; without it
+    only for a module none of whose parameters trains (a weight average, kept outside autograd: all
+    of it is state that no model rebuilds)."""
+    return frozen or not any(p.requires_grad for p in module.parameters())
+
+
 def _state_dicts(objects: Mapping[str, Any], frozen: bool = True) -> dict[str, Any]:
     """What DCP saves or loads into, per object: modules and optimizers through DCP's state_dict helpers
     (FSDP2 DTensors stay sharded, optimizer state is keyed by parameter name; ``frozen=False``: a module's
@@ -293,8 +304,9 @@ def _state_dicts(objects: Mapping[str, Any], frozen: bool = True) -> dict[str, A
     out: dict[str, Any] = {}
     for name, obj in objects.items():
         if isinstance(obj, nn.Module):
-            out[name] = get_model_state_dict(obj, options=_model_options(frozen))
-            if not frozen:  # DCP leaves out one name of each; a tied frozen weight's other names too
+            keep = _keeps_frozen(obj, frozen)
+            out[name] = get_model_state_dict(obj, options=_model_options(keep))
+            if not keep:  # DCP leaves out one name of each; a tied frozen weight's other names too
                 drop = _frozen_names(obj)
                 out[name] = {k: v for k, v in out[name].items() if _plain(k) not in drop}
         elif (model := _owner(obj, objects)) is not None:
@@ -317,7 +329,7 @@ def _load_into(objects: Mapping[str, Any], states: Mapping[str, Any], frozen: bo
     for name, obj in sorted(objects.items(), key=lambda item: not isinstance(item[1], nn.Module)):
         state = states[name]
         if isinstance(obj, nn.Module):
-            set_model_state_dict(obj, state, options=_model_options(frozen))
+            set_model_state_dict(obj, state, options=_model_options(_keeps_frozen(obj, frozen)))
         elif (model := _owner(obj, objects)) is not None:
             set_optimizer_state_dict(model, obj, state)
         elif isinstance(obj, dict):
