@@ -210,12 +210,14 @@ def test_shard_model_of_a_builder_trains_as_ddp_over_the_plain_build(world):
     """``shard_model(builder)`` against DDP over the same builder called plainly under the same seed,
     each model built on its own (the oracle above gives DDP the sharded model's weights, which tests
     the step but not the build): every step's loss and the weights after the last within 1e-5
-    relative, at 2 and 3 ranks (3: every parameter split unevenly, FSDP2's padded shards)."""
+    relative (AdamW's weights within 3e-5: it divides each gradient by its own running magnitude, so
+    the rounding of a differently ordered sum in a near-zero component reaches the weight almost
+    whole), at 2 and 3 ranks (3: every parameter split unevenly, FSDP2's padded shards)."""
     for rank, res in enumerate(run_ranks(_plain_oracle, world, timeout=240)):
         for name, r in res.items():
             print(f"world {world} rank {rank} | {name} | loss {r['loss_diff']:.2e} weights {r['diff']:.2e}")
             assert r["loss_diff"] <= BOUND, (name, "losses", r["loss_diff"])
-            assert r["diff"] <= BOUND, (name, "weights", r["diff"])
+            assert r["diff"] <= (3 * BOUND if name.startswith("adamw") else BOUND), (name, "weights", r["diff"])
             assert r["clipped"], name
 
 
