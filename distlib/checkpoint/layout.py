@@ -24,6 +24,7 @@ def step_name(step: int) -> str:
 
 
 def fsync_dir(path: str) -> None:
+    """``path``'s data (a file's contents, a directory's entries) on the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -80,14 +80,7 @@ def _own_files(directory: str, rank: int) -> dict[str, dict[str, Any]]:
 
 def _fsync_files(paths: list[str], threads: int) -> None:
     """Each file's data on the disk (as many at once as ``threads``): what a commit must follow."""
-
-    def sync(path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
+    sync = fsync_dir  # a file's data as a directory's entries: open, fsync, close
     if len(paths) <= 1 or threads <= 1:
         for path in paths:
             sync(path)

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
+from tests.library.test_import_boundary import _circle as _cycle
 
 RUNNER = os.path.join(ROOT, "distlib", "runner")
 SUBPACKAGES = ("data", "hf", "models", "observability", "tasks", "training")
@@ -79,29 +80,6 @@ def _top_level_imports(path: str, name: str, modules: dict[str, str]) -> set[str
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
     return {name: _top_level_imports(path, name, modules) for name, path in modules.items()}
-
-
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """A circle in ``graph`` (as the list of its nodes), or None."""
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return stack[stack.index(nxt) :] + [nxt]
-            if nxt not in state and (found := visit(nxt)):
-                return found
-        stack.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (found := visit(node)):
-            return found
-    return None
 
 
 def test_no_module_imports_itself_through_others():
