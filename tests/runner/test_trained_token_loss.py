@@ -212,7 +212,11 @@ def test_the_runner_logs_the_trained_token_mean_and_its_rates_alike_at_any_world
 
 
 def _graph_rank(ctx) -> list:
+    # fp32 throughout, as the reference: the runner's default precision is bf16 autocast on a GPU, whose
+    # rounding alone moves the weights by 1e-4 after one step; and matmuls without TF32 (set in the rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
     cfg = Config()
+    cfg.train.precision = "fp32"
     cfg.train.batch_size, cfg.train.cuda_graph = GLOBAL, True
     cfg.train.label_smoothing, cfg.train.clip_grad_norm = SMOOTHING, CLIP
     model = _model().to(ctx.device)
@@ -231,7 +235,6 @@ def _graph_rank(ctx) -> list:
 def test_the_cuda_graph_step_takes_chat_batches_and_gives_the_trained_token_mean():
     """train.cuda_graph: the mapping's tensors and the step's scale are the graph's inputs; each
     replay's loss and weights are the one-process reference's (steps with nothing trained too)."""
-    torch.backends.cuda.matmul.allow_tf32 = False
     losses, weights = run_ranks(_graph_rank, 1, backend="nccl", timeout=300)[0]
     want_losses, want_weights = _reference(chat_batches("padded", steps=2 * STEPS))
     for k in range(2 * STEPS):
