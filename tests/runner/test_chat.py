@@ -4,16 +4,19 @@ its end-of-turn token trained, role headers and the newline after the end of tur
 false`` respected); bad rows and templates are DataErrors naming the row; best-fit decreasing
 packing keeps every document whole; packed logits equal each document's alone (the documents are
 isolated in attention); the loader's shards at 3 gloo ranks cover every row once; a pass started at
-a step continues the order exactly; the cache is reused. Nothing is downloaded: the tokenizers are
-made here with the ``tokenizers`` library."""
+a step continues the order exactly, and a 2-rank run killed with SIGKILL resumes bit for bit;
+the cache is reused. Nothing is downloaded: the tokenizers are made here with the ``tokenizers``
+library."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -251,10 +254,10 @@ def test_packed_logits_equal_each_documents_alone(attn):
         assert not torch.allclose(model(x)[0, 30:64], packed[0, 30:64], atol=1e-3)  # unmasked: documents mix
 
 
-def _chat_rows(path: str, n: int, seed: int) -> str:
+def _chat_rows(path: str, n: int, seed: int, longest: int = 30) -> str:
     rng = random.Random(seed)
-    rows = [{"messages": [{"role": "user", "content": f"q{i} " + "x" * rng.randint(0, 30)},
-                          {"role": "assistant", "content": f"a{i} " + "y" * rng.randint(0, 30)}]}
+    rows = [{"messages": [{"role": "user", "content": f"q{i} " + "x" * rng.randint(0, longest)},
+                          {"role": "assistant", "content": f"a{i} " + "y" * rng.randint(0, longest)}]}
             for i in range(n)]  # fmt: skip
     return write_jsonl(path, rows)
 
@@ -421,6 +424,110 @@ def test_a_chat_run_stopped_mid_epoch_resumes_to_the_uninterrupted_batches_and_w
     for a, b, c in zip(stopped, resumed, ref):  # every rank: its batches before the stop and after, as uninterrupted
         assert a["seen"] + b["seen"] == c["seen"]
         assert all(torch.equal(b["weights"][k], c["weights"][k]) for k in c["weights"])
+
+
+# launch.py with every chat batch slowed by CHAT_PACE_S seconds (nothing else changed): a run long
+# enough to be killed between two checkpoints whatever the machine's speed
+PACED_LAUNCH = """import os, runpy, sys, time
+sys.path.insert(0, {root!r})
+import distlib.runner.data.chat as chat
+pace, batch_of = float(os.environ["CHAT_PACE_S"]), chat.batch_of
+def paced(*args, **kwargs):
+    time.sleep(pace)
+    return batch_of(*args, **kwargs)
+chat.batch_of = paced
+sys.argv = [os.path.join({root!r}, "launch.py"), *sys.argv[1:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_chat_run_killed_with_sigkill_resumes_bit_for_bit_and_reuses_its_cache(tmp_path, tok_dir):
+    """recipes/sft_demo.yaml on 2 gloo torchrun ranks (packed rows, train.grad_accum=2, a metrics row
+    every step, a background checkpoint every 4 steps), the whole job SIGKILLed in its second epoch
+    once a checkpoint there is committed and a later step's row is written, then the same command
+    again: it resumes from that checkpoint without tokenizing again (the cache's files untouched), and
+    its per-step rows and final weights and optimizer state equal an uninterrupted run's bit for bit."""
+    from tests.runner.conftest import checkpoints, saved, step_name
+    from tests.runner.test_reliability import ENV, TORCHRUN, Job
+
+    data = _chat_rows(tmp_path / "rows.jsonl", 160, 4, longest=12)  # documents of 28 to 54 tokens: 2 or 3 a row
+    every = 4
+
+    def command(out: str, cache: str, script: str = "launch.py") -> list[str]:
+        return TORCHRUN + ["--standalone", "--nproc-per-node=2", script, "recipes/sft_demo.yaml", "dist.backend=gloo",
+                           f"data.root={data}", f"data.args.tokenizer={tok_dir}", "data.args.max_length=96",
+                           "data.args.eval_answers=0", f"data.cache_dir={cache}",
+                           "model.args.config.max_position_embeddings=96", "train.epochs=3", "train.batch_size=4",
+                           "train.grad_accum=2", "train.eval_every=0", "train.eval_every_steps=1",
+                           f"run.checkpoint_every_steps={every}", "run.keep_checkpoints=20", "run.progress=plain",
+                           f"run.out_dir={out}"]  # fmt: skip
+
+    def finished(job: Job) -> str:
+        code = job.wait(timeout=400)
+        assert code == 0, job.output[-4000:]
+        return job.output
+
+    ref, out = str(tmp_path / "ref"), str(tmp_path / "run")
+    finished(Job(command(ref, str(tmp_path / "ref-cache")), str(tmp_path / "ref.log")))
+    rows = _metrics(ref)
+    steps = next(r["step"] for r in rows if "epoch_step" not in r)  # epoch 1's end: the steps of an epoch
+    assert [r["step"] for r in rows] == list(range(1, 3 * steps + 1)) and steps > 2 * every
+    target = (steps // every + 1) * every  # the first checkpoint of epoch 2, mid-epoch
+
+    script = tmp_path / "paced_launch.py"
+    script.write_text(PACED_LAUNCH.format(root=ROOT))
+    cache = str(tmp_path / "cache")
+    job = Job(command(out, cache, str(script)), str(tmp_path / "killed.log"), env={**ENV, "CHAT_PACE_S": "0.1"})
+    try:
+        end = time.monotonic() + 300
+        while not (step_name(target) in checkpoints(out) and any(r["step"] > target + 1 for r in _metrics(out))):
+            assert job.proc.poll() is None, f"the run ended before it could be killed:\n{job.output[-3000:]}"
+            assert time.monotonic() < end, job.output[-3000:]
+            job.workers()  # remember pids while they live
+            time.sleep(0.02)
+    finally:
+        job.kill()  # SIGKILL: torchrun and its ranks, nothing said, nothing saved
+        job.log.close()
+        Job.running.remove(job)
+    killed = job.output
+    written = re.search(r"cache written: (\S+)", killed)
+    assert written and "stopped by" not in killed, killed[-3000:]
+    packed = re.search(r"packed (\d+) documents into (\d+) rows", killed)
+    assert 2 * int(packed.group(1)) > 3 * int(packed.group(2)), packed.group(0)  # rows of several documents
+    folder = written.group(1)
+    assert os.path.dirname(folder) == os.path.join(cache, "chat")
+    files = {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
+    left = [r["step"] for r in _metrics(out)]
+    newest = checkpoints(out)[-1]
+    assert target + 1 < left[-1] < 3 * steps and newest < step_name(3 * steps), (left, newest)
+
+    again = finished(Job(command(out, cache), str(tmp_path / "resumed.log")))
+    assert f"cache reused: {folder}" in again and "cache written" not in again, again[-3000:]
+    assert os.listdir(os.path.join(cache, "chat")) == [os.path.basename(folder)]  # no other folder, no temporary
+    assert {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)} == files
+    resumed = re.search(r"resuming from (\S+): epoch (\d+), step (\d+)", again)
+    assert resumed and resumed.group(1) == os.path.join(out, "checkpoints", newest), again[-3000:]
+    assert int(resumed.group(2)) * steps + int(resumed.group(3)) == int(newest[4:]) > steps
+
+    keys = ("epoch", "epoch_step", "step", "train_loss", "val_loss", "lr", "tokens", "trained_tokens")
+    assert [{k: r.get(k) for k in keys} for r in _metrics(out)] == [{k: r.get(k) for k in keys} for r in rows]
+    a, b = saved(out), saved(ref)
+    for name in ("model", "optimizer"):
+        flat_a = dict(torch.utils._pytree.tree_flatten_with_path(a[name])[0])
+        flat_b = dict(torch.utils._pytree.tree_flatten_with_path(b[name])[0])
+        assert flat_a.keys() == flat_b.keys()
+        for k in flat_a:
+            va, vb = flat_a[k], flat_b[k]
+            assert torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb, (name, k)
+
+
+def _metrics(out_dir: str) -> list[dict]:
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip().endswith("}")]
 
 
 @pytest.mark.slow
