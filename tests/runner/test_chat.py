@@ -14,6 +14,8 @@ import json
 import os
 import random
 import re
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -332,6 +334,30 @@ def test_the_cache_is_reused_and_keyed_by_the_settings(tmp_path, tok_dir, monkey
     other = load_chat(data, tokenizer=tok_dir, max_length=64)  # another setting: another key
     assert not other.reused and other.cache != first.cache
     assert not [n for n in os.listdir(tmp_path / ".distlib-cache") if ".tmp" in n]  # written atomically
+
+
+def test_a_writer_killed_while_tokenizing_leaves_no_folder_behind_for_long(tmp_path, tok_dir):
+    """A temporary cache folder of a writer on this host whose process is gone (kill -9 mid-write) is
+    removed by the next writer; a live writer's, and another host's, are left alone."""
+    data = _chat_rows(tmp_path / "rows.jsonl", 30, 2)
+    first = load_chat(data, tokenizer=tok_dir, max_length=48)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no process holds now
+    host = socket.gethostname()
+    key = os.path.basename(first.cache)
+    cache = tmp_path / ".distlib-cache"
+    other_key = load_chat(data, tokenizer=tok_dir, max_length=64).cache  # written after the folders below
+    shutil.rmtree(other_key)
+    abandoned = cache / f"{os.path.basename(other_key)}.tmp-{host}-{dead.pid}"
+    live = cache / f"{os.path.basename(other_key)}.tmp-{host}-{os.getppid()}"  # a process that runs
+    elsewhere = cache / f"{os.path.basename(other_key)}.tmp-another-host-{dead.pid}"
+    for folder in (abandoned, live, elsewhere):
+        folder.mkdir()
+        (folder / "train_input_ids.npy").write_bytes(b"torn")
+    again = load_chat(data, tokenizer=tok_dir, max_length=64)
+    assert not again.reused and os.path.isfile(os.path.join(again.cache, "meta.json"))
+    assert not abandoned.exists() and live.exists() and elsewhere.exists()
+    assert key in os.listdir(cache)  # the committed caches untouched
 
 
 def _problems(recipe: str, overrides: list[str]) -> list[str]:

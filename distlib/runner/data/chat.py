@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -202,7 +203,8 @@ def _build(path: str, tok: Any, files: list[str], val_files: list[str], max_leng
                  stop_ids=sorted(encoder.special))  # fmt: skip
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
+    _remove_abandoned(path)
+    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     for split, arrays in rows.items():
@@ -216,6 +218,22 @@ def _build(path: str, tok: Any, files: list[str], val_files: list[str], max_leng
         shutil.rmtree(tmp, ignore_errors=True)
         if not os.path.isfile(os.path.join(path, "meta.json")):
             raise
+
+
+def _remove_abandoned(path: str) -> None:
+    """Remove the temporary folders that writers of ``path`` on this host left when they were killed
+    (kill -9 while tokenizing): their process is gone. A live writer's folder, or another host's on a
+    shared file system, is left alone."""
+    parent, prefix = os.path.dirname(path), f"{os.path.basename(path)}.tmp-{socket.gethostname()}-"
+    for name in os.listdir(parent):
+        if not name.startswith(prefix) or not name[len(prefix) :].isdigit():
+            continue
+        try:
+            os.kill(int(name[len(prefix) :]), 0)  # signal 0: does the process exist?
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        except PermissionError:  # it exists, as another user's
+            pass
 
 
 def _read(path: str, tok: Any, folder: str, template: str, reused: bool) -> ChatSet:
