@@ -3,8 +3,9 @@
 
 Both work per block (``distlib.find_blocks``): activation checkpointing first, then each block
 compiled in place, so the same model object goes on to the step in every shard mode (with
-``dist.shard=full`` the blocks are FSDP2's, already sharded). ``train.compile=model`` compiles the
-whole model instead, around the gradient sync (``distlib.compile_for_sync``), which the step does.
+``dist.shard=full`` the blocks are FSDP2's, already sharded): stages 6 and 7 of
+runner/training/build_order.py. ``train.compile=model`` compiles the whole model instead, around the
+gradient sync (``distlib.compile_for_sync``), which the step does.
 """
 
 from __future__ import annotations

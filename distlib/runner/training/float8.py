@@ -1,6 +1,7 @@
 """``train.precision=fp8`` in the runner: the model's blocks' Linear layers converted to float8 by the
-library's rule (``distlib.convert_to_float8``, torchao), where the model is built (``Trainer.build_model``),
-before anything wraps it: FSDP2 (``dist.shard=full``), activation checkpointing, compilation. The rest of
+library's rule (``distlib.convert_to_float8``, torchao), where the model is built (stage 3 of
+runner/training/build_order.py), before anything wraps it: FSDP2 (``dist.shard=full``), activation
+checkpointing, compilation. The rest of
 the step is bf16's (autocast on a GPU; fp32 on a CPU, where torchao emulates the float8 products). Design:
 docs/float8.md.
 """

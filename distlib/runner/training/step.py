@@ -7,9 +7,9 @@ The trainer sees only ``TrainStep``; ``build_step`` alone picks the implementati
   ``dist.shard=optimizer`` its reduce-scatter and the ShardedOptimizer; with ``full`` FSDPSync
   over the model from ``shard_model``, FSDP2's mixed precision in place of autocast), run
   eagerly (``grad_accum`` micro-steps, communication on the last only) or replayed as one
-  CUDA graph (``train.cuda_graph``, distlib/step/cuda_graph.py); with ``train.compile`` each block
-  compiled, or the whole model by ``distlib.compile_for_sync`` (runner/training/compilation.py; the kernels
-  then inside the graph), with ``train.activation_checkpointing`` each block checkpointed;
+  CUDA graph (``train.cuda_graph``, distlib/step/cuda_graph.py); the model's blocks checkpointed and
+  compiled first, or (``train.compile=model``) the whole model compiled by ``distlib.compile_for_sync``
+  (the kernels then inside the graph): stages 6 to 10 of runner/training/build_order.py;
 - ``fallback``: ``ReplicasStep``, one process drives every GPU of its node (distlib.Replicas,
   distlib/parallel/comm_fallback.py).
 
@@ -40,8 +40,7 @@ from distlib.parallel.comm_fallback import Replicas, node_devices
 from distlib.runner.config import Config, ConfigError
 from distlib.runner.tasks.batch import Inputs, call_model, flatten, micro_batch, unflatten
 from distlib.runner.tasks.losses import LossFn, StepLoss, cross_entropy, trained
-from distlib.runner.training.compilation import apply_block_settings, compiled_loss
-from distlib.runner.training.float8 import scale_refresh
+from distlib.runner.training.build_order import prepare_for_step
 from distlib.runner.training.optimizer_step import OptimizerSpec, OptimizerStep, autocast_dtype
 from distlib.runner.training.warmup import warm_up
 from distlib.step.cuda_graph import build_train_step
@@ -258,9 +257,9 @@ def build_step(
         return ReplicasStep(replicas, opt, loss_fn, update=update, autocast_dtype=dtype, grad_accum=t.grad_accum,
                             post_step=post_step)  # fmt: skip
 
-    whole = apply_block_settings(cfg, model)  # checkpointing and per-block compile, in place
-    # the loss compiled with the model; a loss the model applies (loss.chunks) compiles its own chunks
-    parts = compiled_loss(cfg, loss_fn.parts) if loss_fn.head is None else loss_fn.parts
+    # checkpointing and per-block compile in place, the loss compiled, float8's refresh (build_order.py)
+    prepared = prepare_for_step(cfg, model, loss_fn)
+    parts = prepared.loss_parts
     if shard == "full":
         sync = distlib.FSDPSync(model, accumulate=cfg.dist.accumulate)
         # FSDP2's mixed precision (shard_model's param_dtype) replaces autocast: the weights are
@@ -276,6 +275,7 @@ def build_step(
         autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None)
         # train.compile=model: compiled at the first step (the warm-up, on a GPU), one graph per bucket so
         # the all_reduces overlap
+        whole = prepared.compile_whole
         net = distlib.compile_for_sync(model, sync, backend=t.compile_backend) if whole else model
     if shard == "optimizer":
         spec = spec or OptimizerSpec.of(optimizer)
@@ -295,8 +295,5 @@ def build_step(
                 out = (_fp32(out[0]), *out[1:]) if isinstance(out, tuple) else _fp32(out)
             return parts(out, y)
 
-    # float8 all-gathers (dist.shard=full, fp8): the weights' scales for the next step's all-gathers,
-    # computed once after the optimizer step in one all-reduce rather than per block during the forward
     return GradSyncStep(model, opt, sync, loss_of, update=update, ranks=ctx.world_size, grad_accum=t.grad_accum,
-                        cuda_graph=t.cuda_graph, post_step=post_step,
-                        refresh=scale_refresh(cfg, model))  # fmt: skip
+                        cuda_graph=t.cuda_graph, post_step=post_step, refresh=prepared.refresh)  # fmt: skip

@@ -11,10 +11,10 @@ What it trains for (data, loss, evaluation, metrics) is the ``Task``'s business
 (runner/tasks/task.py): image classification or causal language modelling, chosen by ``build_task``.
 Where the run stands (epochs done, steps into the next, its clocks, this rank's loss sum)
 is a ``TrainState``, saved in every checkpoint, so a resumed run continues bit for bit.
-How gradients are synced is the ``TrainStep``'s business (runner/training/step.py), and the checkpoint
-format the ``RunCheckpoints``' (runner/training/checkpoints.py): nothing here depends on ``dist.mode``, and
-``dist.shard`` only where the model is made (``build_model``) and where a fully sharded model
-must run its forward passes on every rank (``finish_task``).
+How gradients are synced is the ``TrainStep``'s business (runner/training/step.py), the order in which
+the model and its step are made build_order.py's, and the checkpoint format the ``RunCheckpoints``'
+(runner/training/checkpoints.py): nothing here depends on ``dist.mode``, and ``dist.shard`` only where
+a fully sharded model must run its forward passes on every rank (``finish_task``).
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ from distlib.distributed.process_group import Context
 from distlib.reliability.failures import abort, describe
 from distlib.reliability.stop import StopSignal
 from distlib.reliability.watchdog import Watchdog
-from distlib.runner import components
 from distlib.runner.config import Config, ConfigError, dump_yaml
-from distlib.runner.models.parameters import cast_frozen, count_params, count_trainable
+from distlib.runner.models.parameters import count_params, count_trainable
 from distlib.runner.observability.environment import bytecode_hint, environment_json
 from distlib.runner.observability.metrics import Metrics, build_metrics
 from distlib.runner.observability.profiling import StepProfiler
@@ -49,11 +48,11 @@ from distlib.runner.observability.throughput import peak_memory_gib
 from distlib.runner.observability.timeline import Timeline
 from distlib.runner.tasks import Task, build_task
 from distlib.runner.tasks.batch import Inputs, to_device
+from distlib.runner.training import build_order
 from distlib.runner.training.budget import Budget
 from distlib.runner.training.checkpoints import build_checkpoints
 from distlib.runner.training.compilation import load_compiler
 from distlib.runner.training.disk_room import checkpoint_bytes, warn_if_no_room
-from distlib.runner.training.float8 import convert_model
 from distlib.runner.training.memory_plan import MemoryPlan
 from distlib.runner.training.optimizer_step import OptimizerSpec, autocast_dtype, optimizer_spec
 from distlib.runner.training.out_of_memory import every_mode, out_of_memory
@@ -166,6 +165,7 @@ class Trainer:
         if load_compiler(cfg):
             self.timeline.mark("compiler")  # inductor's imports, before the model's build
         torch.manual_seed(t.seed)  # after the data: a first decode draws from the global generator
+        # the model, then its step: stages 1 to 5 and 6 to 10 of runner/training/build_order.py
         self.model = model = self.build_model()
         # weight averaging: evaluate an EMA of the weights (and BN buffers) when train.ema > 0; the
         # step updates it after the optimizer, inside the CUDA graph when there is one
@@ -211,47 +211,12 @@ class Trainer:
         self.timeline.mark("resume")
 
     def build_model(self) -> torch.nn.Module:
-        """The model of model.name with model.args (and what the task provides, when it takes
-        it), on this rank's device: the one place a model is made. Built directly on the device
-        (``with torch.device(device)``) under the random stream seeded with train.seed, in every
-        dist.shard mode: the same weights in every mode and at every world size. With
-        dist.shard=full ``shard_model`` then keeps this rank's shards (FSDP2 per entry of the
-        model's ``blocks``, then the root; bf16 weights in the layers with train.precision=bf16 on
-        a GPU, gradients reduced in fp32). With train.precision=fp8 the blocks' Linear layers are
-        float8 ones (runner/training/float8.py), converted before the sharding (``convert=``). Parameters
-        that do not train (a LoRA model's base) are kept in the compute dtype (``cast_frozen``). A model with
-        ``load_pretrained()`` (hf_causal_lm from a folder) then reads its weights into its parameters
-        where they are."""
-        cfg, device = self.cfg, self.ctx.device
-
-        def build() -> torch.nn.Module:
-            model = components.build("model", cfg.model.name, cfg.model.args, provided=self.task.model_inputs())
-            if not isinstance(model, torch.nn.Module):
-                raise ConfigError([f"model.name={cfg.model.name!r} returned {type(model).__name__}, "
-                                   "not a torch.nn.Module"])  # fmt: skip
-            return model
-
-        if cfg.dist.shard == "full":
-            dtype = autocast_dtype(cfg.train.precision, device)  # bf16 on a GPU, None (fp32) on the CPU
-            block_types = [cfg.model.block_class] if cfg.model.block_class else None  # else model.blocks
-            # a pretrained folder's weights are read into the shards: nothing to initialise first
-            empty = cfg.model.name == "hf_causal_lm" and bool(cfg.model.args.get("pretrained"))
-            model = distlib.shard_model(build, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
-                                        device=device, block_types=block_types, empty=empty, offload=cfg.dist.offload,
-                                        reshard_after_forward=cfg.dist.reshard_after_forward,
-                                        convert=lambda m: (cast_frozen(m, dtype),
-                                                           convert_model(cfg, m, device)))  # fmt: skip
-        else:
-            with torch.device(device):  # where it runs: no copy on the host first
-                model = build().to(device)  # .to: a no-op, unless the model put a tensor on a device of its own
-            # a frozen base (LoRA's) in the compute dtype, no fp32 copy; before float8 wraps its weights
-            cast_frozen(model, autocast_dtype(cfg.train.precision, device))
-            convert_model(cfg, model, device)
-            if cfg.model.channels_last:  # changes 4-D (convolution) weights only
-                model = model.to(memory_format=torch.channels_last)
-        if callable(load := getattr(model, "load_pretrained", None)):
-            load()  # weights from files, read in place: under dist.shard=full each rank its shards' rows
-        return model
+        """The model of model.name with model.args (and what the task provides, when it takes it), on
+        this rank's device, under the random stream seeded with train.seed: the one place a model is
+        made. Built, its frozen parameters cast, float8's layers, then sharded (dist.shard=full) or laid
+        out channels_last, and its pretrained weights loaded: stages 1 to 5 of runner/training/build_order.py,
+        where the order of the whole build is written."""
+        return build_order.build_model(self.cfg, self.ctx.device, self.task.model_inputs())
 
     def build_optimizer(self, model: torch.nn.Module) -> OptimizerSpec:
         """train.optimizer over the model's parameters (``optimizer_spec``)."""
