@@ -233,14 +233,25 @@ def test_a_mixture_of_experts_reports_its_load_balancing_loss_as_transformers_co
 
 
 # ---- attention and the recipe's checks --------------------------------------------------------
-def test_attention_is_the_fastest_the_family_allows_and_what_transformers_refuses_is_a_config_error(text, tmp_path):
-    """Built from a config: sdpa where the family supports it, eager where it soft-caps its scores
-    (Gemma 2); an implementation transformers refuses is a one-line error when the recipe is loaded
-    (the model class built on the meta device), as is a config transformers cannot build."""
-    from distlib.runner.models.hf_causal_lm import hf_causal_lm
+def test_attention_is_the_fastest_the_family_allows_and_what_transformers_refuses_is_a_config_error(
+    text, tmp_path, monkeypatch
+):
+    """Built from a config: sdpa where the family supports it; where it soft-caps its scores (Gemma 2),
+    flex attention where a CUDA GPU is visible and eager on the CPU (flex has no backward there); an
+    implementation transformers refuses is a one-line error when the recipe is loaded (the model class
+    built on the meta device), as is a config transformers cannot build."""
+    from distlib.runner.models.hf_causal_lm import attention, build_config, hf_causal_lm
 
     assert hf_causal_lm(config={"model_type": "llama", **SMALL}).config._attn_implementation == "sdpa"
     assert hf_causal_lm(config={"model_type": "gemma2", **FAMILIES["gemma2"]}).config._attn_implementation == "eager"
+    gemma2_config = build_config({"model_type": "gemma2", **FAMILIES["gemma2"]})
+    llama_config = build_config({"model_type": "llama", **SMALL})
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        assert attention(gemma2_config, "auto") == "flex_attention"
+        assert attention(gemma2_config, None) == "flex_attention"
+        assert attention(gemma2_config, "eager") == "eager"  # asked for: as given
+        assert attention(llama_config, "auto") == "sdpa"
     gemma2 = {"config": {"model_type": "gemma2", **FAMILIES["gemma2"]}}
     load_config(recipe(text.parent, str(tmp_path / "ok"), gemma2))
     for args, names in [
@@ -371,6 +382,30 @@ def test_flex_attention_trains_a_sliding_window_model_on_a_gpu_as_sdpa_does(tmp_
     assert flex[-1]["val_loss"] < flex[0]["val_loss"] - 0.3, flex
     said = logs["flex_attention"].stdout + logs["flex_attention"].stderr
     assert "memory plan:" in said and "memory plan: not made" not in said, said[-3000:]
+
+
+@pytest.mark.gpus(1)
+def test_a_soft_capped_family_gets_flex_attention_on_a_gpu_and_trains_as_eager_does(tmp_path):
+    """On a GPU, bf16, each block compiled: the Llama demo as a Gemma 2 of 4 layers (soft-capped scores,
+    a 16-token window in every other layer). ``auto`` picks flex attention there, which soft-caps in its
+    kernel; its first epoch's loss is eager's within bf16's noise and its loss falls."""
+    from distlib.runner.models.hf_causal_lm import attention, build_config
+    from tests.runner.test_e2e import launch
+
+    config = {"model_type": "gemma2", "head_dim": 16, "num_hidden_layers": 4, "sliding_window": 16,
+              "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # fmt: skip
+    shape = {"vocab_size": 512, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    assert attention(build_config({**config, **shape})) == "flex_attention"
+    rows = {}
+    for attn in ("eager", "auto"):
+        out = tmp_path / attn
+        launch([os.path.join(ROOT, "recipes", "llama_demo.yaml"), f"run.out_dir={out}", "run.progress=plain",
+                "train.precision=bf16", "train.compile=blocks", f"model.args.attn_implementation={attn}",
+                *(f"model.args.config.{k}={v}" for k, v in config.items())], nproc=1, timeout=400)  # fmt: skip
+        rows[attn] = metrics(out)
+    eager, flex = rows["eager"], rows["auto"]
+    assert flex[0]["train_loss"] == pytest.approx(eager[0]["train_loss"], rel=0.03), (eager[0], flex[0])
+    assert flex[-1]["val_loss"] < flex[0]["val_loss"] - 0.3, flex
 
 
 @pytest.mark.gpus(1)

@@ -159,13 +159,15 @@ def attention(hf_config: Any, requested: str | None = "auto") -> str:
     """transformers' attention implementation for ``requested``: ``auto`` is the fastest the family
     allows of torch's own kernels, ``sdpa`` (scaled_dot_product_attention: flash attention on GPUs)
     when its model class supports it, else ``eager``. A config that soft-caps the attention scores
-    (Gemma 2's ``attn_logit_softcapping``) gets ``eager``: sdpa has no soft-capping (transformers 5.17
-    runs Gemma 2 under sdpa without it, later releases refuse sdpa for it). Anything else (``eager``,
-    ``flex_attention``, ...) as given."""
+    (Gemma 2's ``attn_logit_softcapping``) gets ``flex_attention`` where a CUDA GPU is visible: flex
+    applies the soft-cap inside its kernel and keeps no (T x T) scores for the backward, which eager
+    does (sdpa has no soft-capping: transformers 5.17 runs Gemma 2 under sdpa without it, later
+    releases refuse sdpa for it). On the CPU, where flex has no backward, it gets ``eager``. Anything
+    else (``eager``, ``flex_attention``, ...) as given."""
     if requested not in (None, "", "auto"):
         return requested
     if getattr(hf_config.get_text_config(), "attn_logit_softcapping", None):
-        return "eager"
+        return "flex_attention" if torch.cuda.is_available() else "eager"
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
