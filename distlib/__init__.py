@@ -73,6 +73,7 @@ _WHERE: dict[str, str] = {
     "export_checkpoint": "distlib.checkpoint.sharded",
     "FSDPSync": "distlib.parallel.fsdp",
     "shard_model": "distlib.parallel.fsdp",
+    "build_converted": "distlib.parallel.deferred_init",
 }
 
 
@@ -112,6 +113,7 @@ if TYPE_CHECKING:  # what static tools read: the same names, imported
     from distlib.log import get_logger
     from distlib.parallel.blocks import find_blocks
     from distlib.parallel.comm_fallback import Replicas
+    from distlib.parallel.deferred_init import build_converted
     from distlib.parallel.fsdp import FSDPSync, shard_model
     from distlib.parallel.grad_sync import GradSync, GradSyncError, GradSyncTimeout
     from distlib.parallel.sharded_optimizer import ShardedOptimizer, ShardingError
@@ -154,6 +156,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object",
+    "build_converted",
     "checkpoint_blocks",
     "collectives",
     "compile_blocks",

@@ -25,7 +25,7 @@ Design: docs/sharding.md.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from distlib.distributed import collectives
 from distlib.distributed.state_broadcast import broadcast_tensors
 
-__all__ = ["InitRecording", "Unreplayable", "plain_parameters", "record_init"]
+__all__ = ["InitRecording", "Unreplayable", "build_converted", "plain_parameters", "record_init"]
 
 
 class Unreplayable(RuntimeError):
@@ -352,3 +352,53 @@ def record_init(device: torch.device, model: nn.Module | None = None) -> Iterato
                     m._parameters[n] = swapped[id(p)]
     with parameters_to_meta(rec), _whole_inits(rec), _Recorder(rec):
         yield rec
+
+
+def build_converted(
+    build: Callable[[], nn.Module], convert: Callable[[nn.Module], object], device: torch.device | str
+) -> nn.Module:
+    """``build()`` on ``device`` with ``convert(model)`` applied to it, without ever holding the plain
+    build's parameters all at once: the model is built with its parameters on the meta device (what
+    initialises each recorded, the random stream advanced as a plain build advances it), converted
+    there, then each parameter made whole on its own from the recording and turned into the dtype
+    the conversion gave it. A conversion that casts a frozen base to bf16 (a LoRA model's) so costs
+    the bf16 model and one fp32 parameter, not the fp32 model; the values are those of a plain build
+    followed by the conversion, bit for bit. ``convert`` must keep the parameters' names (it may
+    replace parameters or swap layers that hold them). A parameter nothing initialises holds NaN (a
+    pretrained model's, read afterwards). Where the initialisation cannot be replayed one parameter
+    at a time (``Unreplayable``), the model is built whole on ``device`` and converted, as plainly."""
+    device = torch.device(device)
+    gens = [torch.default_generator]
+    if device.type == "cuda":
+        gens.append(torch.cuda.default_generators[device.index if device.index is not None else
+                                                  torch.cuda.current_device()])  # fmt: skip
+    states = [(g, g.get_state()) for g in gens]
+    try:
+        with torch.device(device), record_init(device) as rec:
+            model = build()
+        plain_parameters(model)
+        if unknown := [n for n, p in model.named_parameters() if p.device.type == "meta" and not rec.recorded(p)]:
+            raise Unreplayable(f"{', '.join(unknown[:3])} were replaced by tensors made from them")
+    except (Unreplayable, NotImplementedError):
+        for g, s in states:  # the stream as the caller left it: the whole build draws it again
+            g.set_state(s)
+        with torch.device(device):
+            model = build()
+        convert(model)
+        return model
+    recorded = dict(model.named_parameters())  # before the conversion, by name
+    convert(model)
+    made: dict[int, nn.Parameter] = {}  # a tied parameter made once, the same object in each place
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.device.type != "meta":  # made with its values outside the recording (kept as it is)
+                continue
+            source = recorded[name]
+            whole = rec.materialise(source, device)[0] if rec.recorded(source) else source.detach()
+            made[id(p)] = nn.Parameter(whole.to(p.dtype), requires_grad=p.requires_grad)
+            del whole  # the fp32 draw of a cast parameter: one at a time
+    for m in model.modules():  # the buffers are real already: only the parameters were on the meta device
+        for n, p in list(m._parameters.items()):
+            if p is not None and id(p) in made:
+                m._parameters[n] = made[id(p)]
+    return model

@@ -306,6 +306,45 @@ def test_the_plan_counts_no_gradient_nor_optimizer_state_for_the_frozen_base(fol
     assert mode.staging == 4 * trained + buffers + lora.parts["optimizer state"]
 
 
+def test_with_a_compute_dtype_the_frozen_base_is_built_one_parameter_at_a_time(tmp_path, monkeypatch):
+    """Where the compute dtype is bf16 (a GPU; patched here on the CPU), the runner builds a LoRA model
+    through ``build_converted``, never holding the base in fp32: the same weights, dtypes and random
+    state as the plain build followed by the cast, adapters included; a full fine-tune keeps the plain
+    build."""
+    from distlib.runner.models.parameters import cast_frozen
+    from distlib.runner.training import build_order
+
+    config = {"model_type": "llama", "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 3,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "pad_token_id": 6}  # fmt: skip
+    (tmp_path / "text.txt").write_bytes(bytes(range(256)) * 8)
+    real = distlib.build_converted
+    calls = []
+    monkeypatch.setattr(distlib, "build_converted", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(build_order, "autocast_dtype", lambda precision, device: torch.bfloat16)
+    for lora, converted in ((SUBSET, 1), (None, 0)):
+        args = {"config": config, **({"lora": lora} if lora else {})}
+        cfg = load_config(recipe(tmp_path, str(tmp_path / "run"), args), ["train.precision=bf16"])
+        calls.clear()
+        torch.manual_seed(11)
+        got = build_order.build_model(cfg, torch.device("cpu"), {})
+        got_rng = torch.get_rng_state()
+        assert len(calls) == converted
+        torch.manual_seed(11)
+        from distlib.runner import components
+
+        want = components.build("model", cfg.model.name, cfg.model.args, provided={})
+        cast_frozen(want, torch.bfloat16)
+        want.load_pretrained()  # stage 5: the adapters drawn from the run's seed
+        assert torch.equal(got_rng, torch.get_rng_state())
+        want_p, got_p = dict(want.named_parameters()), dict(got.named_parameters())
+        assert want_p.keys() == got_p.keys()
+        for n, w in want_p.items():
+            assert got_p[n].dtype == w.dtype and got_p[n].requires_grad == w.requires_grad, n
+            assert torch.equal(got_p[n], w), n
+        frozen = [p for p in got.parameters() if not p.requires_grad]
+        assert bool(frozen) == bool(lora) and all(p.dtype == torch.bfloat16 for p in frozen)
+
+
 # ---- conversations -----------------------------------------------------------------------------
 def _chat_run(ctx, out: str, cache: str) -> dict:
     from tests.conftest import ROOT

@@ -5,6 +5,7 @@ Each stage is one call into the module that owns it; the order is this file's, t
     the model: ``build_model`` (``Trainer.build_model``)
       1. build            model.name with model.args, on this rank's device   runner/components.py
       2. cast frozen      a frozen base (LoRA's) in the compute dtype         runner/models/parameters.py
+                          (1 and 2 one parameter at a time: distlib's build_converted)
       3. float8           the blocks' Linear layers (train.precision=fp8)     runner/training/float8.py
       4. shard            dist.shard=full: FSDP2 per block, then the root     distlib.shard_model
                           (1 to 3 run inside it, before fully_shard);
@@ -68,6 +69,10 @@ def build_model(cfg: Config, device: torch.device, provided: Mapping[str, Any]) 
                                     device=device, block_types=block_types, empty=empty, offload=cfg.dist.offload,
                                     reshard_after_forward=cfg.dist.reshard_after_forward,
                                     convert=convert)  # fmt: skip
+    elif dtype is not None and cfg.model.args.get("lora") is not None:
+        # a frozen base cast to the compute dtype: made one parameter at a time, so the build never
+        # holds the whole base in fp32 (an 8B base: 30 GiB for a moment, where bf16 needs 15)
+        model = distlib.build_converted(build, convert, device)
     else:
         with torch.device(device):  # where it runs: no copy on the host first
             model = build().to(device)  # .to: a no-op, unless the model put a tensor on a device of its own
