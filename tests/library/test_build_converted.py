@@ -144,7 +144,7 @@ def _gpu_peak() -> dict:
     device = torch.device("cuda", 0)
 
     def build() -> nn.Module:
-        return _Adapted(vocab=32768, width=2048, layers=12)
+        return _Adapted(vocab=4096, width=2048, layers=24)
 
     torch.manual_seed(0)
     with device:
