@@ -345,6 +345,24 @@ def test_with_a_compute_dtype_the_frozen_base_is_built_one_parameter_at_a_time(t
         assert bool(frozen) == bool(lora) and all(p.dtype == torch.bfloat16 for p in frozen)
 
 
+def test_a_lora_models_flops_count_no_weight_gradient_for_the_frozen_base():
+    """MFU's FLOPs per token with LoRA: 4 per frozen weight (forward, the input's gradient), 6 per
+    adapter weight, attention as without adapters; without LoRA, 6 per weight."""
+    from distlib.runner.models.hf_causal_lm import hf_causal_lm
+    from distlib.runner.models.lora import adapters
+
+    config = {"model_type": "llama", "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 3,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300}  # fmt: skip
+    plain = hf_causal_lm(config=config)
+    adapted = hf_causal_lm(config=config, lora=SUBSET)
+    weights = plain.active_params(embeddings=False)
+    attention = plain.flops_per_token(64) - 6 * weights
+    assert attention == 6 * 3 * 4 * (12 + 12) * 64
+    n_adapters = sum(p.numel() for _, p in adapters(adapted.hf))
+    assert 0 < n_adapters and adapted.active_params(embeddings=False) == weights + n_adapters
+    assert adapted.flops_per_token(64) == 4 * weights + 6 * n_adapters + attention
+
+
 # ---- conversations -----------------------------------------------------------------------------
 def _chat_run(ctx, out: str, cache: str) -> dict:
     from tests.conftest import ROOT

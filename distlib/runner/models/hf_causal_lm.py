@@ -372,14 +372,22 @@ class HFCausalLM(nn.Module):
         products a token goes through (the output layer included, tied or not; not an untied input
         embedding; of a mixture of experts the experts it is routed to) and
         6 * layers * heads * (query/key + value head dims) * seq_len for attention's scores and
-        weighted values (12 * layers * heads * head_dim * seq_len where the two are one size)."""
+        weighted values (12 * layers * heads * head_dim * seq_len where the two are one size). With
+        LoRA, 4 per frozen weight (the forward's product and the input's gradient: a frozen weight has
+        no gradient of its own to compute) and 6 per adapter weight."""
         c = self.hf.config.get_text_config()
         heads = getattr(c, "num_attention_heads", 0) or 0
         head_dim = getattr(c, "head_dim", None) or (c.hidden_size // heads if heads else 0)
         qk = getattr(c, "qk_head_dim", None) or head_dim  # multi-head latent attention's (DeepSeek-V3) differ
         v = getattr(c, "v_head_dim", None) or head_dim
         layers = getattr(c, "num_hidden_layers", 0) or 0
-        return 6 * self.active_params(embeddings=False) + 6 * layers * heads * (qk + v) * seq_len
+        weights = 6 * self.active_params(embeddings=False)
+        if self.lora is not None:
+            from distlib.runner.models import lora
+
+            frozen = self.active_params(embeddings=False) - sum(p.numel() for _, p in lora.adapters(self.hf))
+            weights -= 2 * frozen
+        return weights + 6 * layers * heads * (qk + v) * seq_len
 
     def save_files(self, run_dir: str) -> list[str]:
         """The model's ``config.json`` (what builds it again, with no other folder) and, from a
