@@ -309,10 +309,11 @@ def test_the_plan_counts_no_gradient_nor_optimizer_state_for_the_frozen_base(fol
 def test_with_a_compute_dtype_the_frozen_base_is_built_one_parameter_at_a_time(tmp_path, monkeypatch):
     """Where the compute dtype is bf16 (a GPU; patched here on the CPU), the runner builds a LoRA model
     through ``build_converted``, never holding the base in fp32: the same weights, dtypes and random
-    state as the plain build followed by the cast, adapters included; a full fine-tune keeps the plain
-    build."""
+    state as the plain build followed by the cast, adapters included, and with float8 the same layers
+    swapped (torchao emulates float8 on the CPU); a full fine-tune keeps the plain build."""
     from distlib.runner.models.parameters import cast_frozen
     from distlib.runner.training import build_order
+    from distlib.runner.training.float8 import convert_model
 
     config = {"model_type": "llama", "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 3,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "pad_token_id": 6}  # fmt: skip
@@ -321,9 +322,17 @@ def test_with_a_compute_dtype_the_frozen_base_is_built_one_parameter_at_a_time(t
     calls = []
     monkeypatch.setattr(distlib, "build_converted", lambda *a: calls.append(a) or real(*a))
     monkeypatch.setattr(build_order, "autocast_dtype", lambda precision, device: torch.bfloat16)
-    for lora, converted in ((SUBSET, 1), (None, 0)):
+    fp8 = ["train.precision=fp8", "train.fp8_layers=all"]
+    cases = [(SUBSET, ["train.precision=bf16"], 1), (None, ["train.precision=bf16"], 0)]
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        cases.append((SUBSET, fp8, 1))
+    for lora, overrides, converted in cases:
         args = {"config": config, **({"lora": lora} if lora else {})}
-        cfg = load_config(recipe(tmp_path, str(tmp_path / "run"), args), ["train.precision=bf16"])
+        cfg = load_config(recipe(tmp_path, str(tmp_path / "run"), args), overrides)
         calls.clear()
         torch.manual_seed(11)
         got = build_order.build_model(cfg, torch.device("cpu"), {})
@@ -334,7 +343,10 @@ def test_with_a_compute_dtype_the_frozen_base_is_built_one_parameter_at_a_time(t
 
         want = components.build("model", cfg.model.name, cfg.model.args, provided={})
         cast_frozen(want, torch.bfloat16)
+        swapped = convert_model(cfg, want, torch.device("cpu"))
+        assert bool(swapped) == (overrides == fp8)
         want.load_pretrained()  # stage 5: the adapters drawn from the run's seed
+        assert [type(m).__name__ for m in got.modules()] == [type(m).__name__ for m in want.modules()]
         assert torch.equal(got_rng, torch.get_rng_state())
         want_p, got_p = dict(want.named_parameters()), dict(got.named_parameters())
         assert want_p.keys() == got_p.keys()
