@@ -4,6 +4,7 @@ kept for a rerun or a resume under a key of what it depends on, made by local ra
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 
@@ -73,6 +74,35 @@ def test_a_refusal_is_kept_too(monkeypatch):
     monkeypatch.setattr(memory_plan, "device_bytes", lambda index=None: 2**40)  # another GPU: planned anew
     with pytest.raises(pytest.fail.Exception, match="planned again"):
         memory_plan.check_before_launch(_tiny())
+
+
+def test_a_refusal_of_the_plain_loss_names_the_loss_in_chunks_where_that_fits(monkeypatch):
+    """A GPT whose logits (vocabulary 8192) make most of its step, on a device between the peak with the
+    loss in chunks and the plain loss's: refused, and the refusal names loss.chunks=8 with its peak;
+    kept with the plan for a rerun; a recipe already in chunks is not told so."""
+    over = ["model.args.vocab_size=8192", "run.memory_margin_gib=0", "run.memory_margin_fraction=0"]
+    own = dict(shards=("none",), checkpointing=("none",), batches=False)
+    plain = memory_plan.plan(_tiny(*over), 1, **own).peak()
+    chunked = memory_plan.plan(_tiny(*over, "loss.chunks=8"), 1, **own).peak()
+    assert chunked < 0.8 * plain, (chunked, plain)
+    monkeypatch.setattr(memory_plan, "device_bytes", lambda index=None: (chunked + plain) // 2)
+    with pytest.raises(memory_plan.MemoryRefused) as refused:
+        memory_plan.check_before_launch(_tiny(*over))
+    said = str(refused.value)
+    named = re.search(r"; loss\.chunks=8 \(the output layer and the loss in chunks\) would \(([\d.]+) MiB\)$", said)
+    assert "does not fit" in said and named, said
+    assert float(named.group(1)) * 2**20 <= (chunked + plain) // 2, said
+    monkeypatch.setattr(memory_plan, "_plan_here", lambda *a: pytest.fail("planned again"))
+    monkeypatch.setattr(memory_plan, "_plan_in_child", lambda *a: pytest.fail("planned again"))
+    with pytest.raises(memory_plan.MemoryRefused) as again:
+        memory_plan.check_before_launch(_tiny(*over))
+    assert str(again.value) == said
+    monkeypatch.undo()
+    monkeypatch.setattr(plan_cache, "cache_dir", lambda cfg: "/nonexistent/plans")  # nothing kept: planned now
+    monkeypatch.setattr(memory_plan, "device_bytes", lambda index=None: chunked // 2)
+    with pytest.raises(memory_plan.MemoryRefused) as in_chunks:
+        memory_plan.check_before_launch(_tiny(*over, "loss.chunks=8"))
+    assert "loss.chunks" not in str(in_chunks.value), str(in_chunks.value)
 
 
 def test_the_plan_is_keyed_by_the_code_and_the_versions(monkeypatch):

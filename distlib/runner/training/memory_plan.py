@@ -71,6 +71,7 @@ CHECKPOINTING = ("none", "full", "selective")
 # the compute dtype of each train.precision on a GPU (fp8: bf16 around the float8 matrix products)
 _COMPUTE = PRECISIONS
 PARTS = ("parameters", "gradients", "optimizer state", "gathered blocks", "activations")
+CHUNKED = 8  # the loss.chunks a refusal of the plain loss measures and names (docs/loss.md: 8 measured on a GPU)
 
 
 class MemoryRefused(DistlibError):
@@ -119,6 +120,9 @@ class MemoryPlan:
     gpu_bytes: int | None = None  # the device's memory; None: no fit asked
     # kept free of gpu_bytes for what the plan does not count (run.memory_margin_gib, run.memory_margin_fraction)
     margin: int = 0
+    # the run's peak with loss.chunks=CHUNKED (the output layer and the loss in chunks) at the recipe's modes:
+    # measured for a refusal of a recipe with the plain loss, so that its advice can name it; None: not measured
+    chunked: int | None = None
 
     def peak(self, shard: str | None = None, checkpointing: str | None = None) -> int:
         """The run's peak (the recipe's mode by default): a step's, with on top the larger of what
@@ -153,10 +157,18 @@ class MemoryPlan:
     def advice(self) -> str:
         """What would fit instead, among the modes measured ("; ..."), or what to change when none does."""
         fitting = [(self.peak(s, c), s, c) for s, m in self.modes.items() for c in m.steps if self.fits(s, c)]
+        chunked = (
+            f"loss.chunks={CHUNKED} (the output layer and the loss in chunks) would ({size(self.chunked)})"
+            if self.chunked is not None and self.gpu_bytes is not None and self.chunked + self.margin <= self.gpu_bytes
+            else ""
+        )
         if not fitting:
+            if chunked:
+                return f"; {chunked}"
             return "; no dist.shard or checkpointing mode fits: more ranks, or a smaller train.batch_size"
         _, s, c = min(fitting, key=lambda f: (f[1] != self.shard) + (f[2] != self.checkpointing) + f[0] / 2**60)
-        return f"; dist.shard={s} with train.activation_checkpointing={c} would ({size(self.peak(s, c))})"
+        mode = f"dist.shard={s} with train.activation_checkpointing={c} would ({size(self.peak(s, c))})"
+        return f"; {mode}" + (f"; or {chunked}" if chunked else "")
 
     def table(self) -> str:
         """Per rank, in GiB: the parts of the recipe's step, the peak at each checkpointing mode, the fit
@@ -1049,6 +1061,12 @@ def check_before_launch(cfg: Config) -> MemoryPlan | None:
         outcome, result = measure(cfg, world, gpu, on_gpu, own)
         if outcome == "ok" and result.fits() is False:  # what would fit instead: every mode, measured only now
             outcome, result = _plan_in_child(cfg, world, gpu, on_gpu, {})
+            if outcome == "ok" and cfg.loss.chunks == 0:  # and the recipe's modes with the loss in chunks
+                chunked = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, chunks=CHUNKED))
+                how, other = (_plan_in_child if cfg.dist.shard == "full" else _plan_here)(chunked, world, gpu, on_gpu,
+                                                                                         own)  # fmt: skip
+                if how == "ok" and other.peak() < result.peak():  # a model that takes no head: the same peak
+                    result.chunked = other.peak()
         if outcome == "ok":
             return outcome, result.as_dict(), True
         return outcome, result, outcome != "died"  # a child that died (out of host memory) may not die again
