@@ -383,7 +383,7 @@ def build_converted(
         for g, s in states:  # the stream as the caller left it: the whole build draws it again
             g.set_state(s)
         with torch.device(device):
-            model = build()
+            model = build().to(device)  # .to: a no-op, unless the model put a tensor on a device of its own
         convert(model)
         return model
     recorded = dict(model.named_parameters())  # before the conversion, by name
@@ -401,4 +401,4 @@ def build_converted(
         for n, p in list(m._parameters.items()):
             if p is not None and id(p) in made:
                 m._parameters[n] = made[id(p)]
-    return model
+    return model.to(device)  # a buffer the model put on a device of its own moved, as a plain build's .to
