@@ -300,8 +300,23 @@ def result_fields(cmd: list[str]) -> dict[str, str] | str:
 
 
 def baseline_row(args: argparse.Namespace, family: str, attn: str, work: str) -> dict:
-    """bench/baselines/hf_loop.py on the same config, batch and attention, in its own process."""
-    batch, seq = batch_of(args, family)
+    """bench/baselines/hf_loop.py on the same config, batch and attention, in its own process. Out of
+    memory at that batch, it runs again at half the batch (down to 1 sequence), the batch it ran at
+    in the row (``baseline_batch``): the loop's best on the card, where the runner fits the larger."""
+    batch, _ = batch_of(args, family)
+    out: dict = {}
+    while True:
+        out = _baseline_at(args, family, attn, work, batch)
+        if "baseline_error" not in out or "OutOfMemoryError" not in out["baseline_error"] or batch == 1:
+            break
+        batch //= 2
+    if batch != batch_of(args, family)[0]:
+        out["baseline_batch"] = batch
+    return out
+
+
+def _baseline_at(args: argparse.Namespace, family: str, attn: str, work: str, batch: int) -> dict:
+    _, seq = batch_of(args, family)
     path = os.path.join(work, "baseline.json")
     with open(path, "w") as f:
         json.dump(config_of(args, family), f)
@@ -380,6 +395,8 @@ def table(rows: list[dict]) -> str:
             attn = f"{attn} / {r['baseline_attn']}"
         runner = tps or ("failed" if "runner_error" in r or "error" in r else "-")  # "-": not run (--plan-only)
         baseline = round(base) if base else "failed" if "baseline_error" in r else "-"
+        if base and "baseline_batch" in r:  # out of memory at the runner's batch: the batch it ran at
+            baseline = f"{baseline} (batch {r['baseline_batch']})"
         lines.append(f"| {r['family']} | {r['shape']} | {attn} | {params} | {runner} | "
                      f"{baseline} | {r.get('ratio', '-')} | {mfu} | {peak or '-'} | "
                      f"{r.get('plan_gib', 'failed' if 'plan_error' in r else '-')} |")  # fmt: skip

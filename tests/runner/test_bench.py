@@ -580,6 +580,33 @@ def test_hf_families_shapes_build_and_the_table_shows_each_ratio():
     ]
 
 
+def test_hf_families_runs_the_loop_at_half_the_batch_where_it_runs_out_of_memory(monkeypatch, tmp_path):
+    """The compiled loop out of memory at the runner's batch (gemma2: 4) runs again at 2, then 1; the row
+    keeps the batch it ran at, the table says it; an error that is not out of memory is not retried."""
+    from bench import hf_families
+
+    args = hf_families.parse_args(["--families", "gemma2"])
+    seen = []
+
+    def fields(cmd):
+        batch = int(cmd[cmd.index("--batch") + 1])
+        seen.append(batch)
+        if batch > 1:
+            return "...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 512.00 MiB"
+        return {"tokens_per_s": "9000.5", "attn": "flex_attention", "first_step_s": "30", "peak_mem_gib": "70"}
+
+    monkeypatch.setattr(hf_families, "result_fields", fields)
+    first = hf_families.batch_of(args, "gemma2")[0]
+    assert first == 4
+    row = {"family": "gemma2", "shape": "Gemma-2-2B", **hf_families.baseline_row(args, "gemma2", "auto", str(tmp_path))}
+    assert seen == [4, 2, 1] and row["baseline_batch"] == 1 and row["baseline_tokens_per_s"] == 9000.5
+    assert "| 9000 (batch 1) |" in hf_families.table([row])
+    seen.clear()
+    monkeypatch.setattr(hf_families, "result_fields", lambda cmd: seen.append(1) or "ImportError: no transformers")
+    row = hf_families.baseline_row(args, "gemma2", "auto", str(tmp_path))
+    assert seen == [1] and "baseline_batch" not in row and "baseline_error" in row
+
+
 @pytest.mark.slow
 def test_hf_families_runs_tiny_on_the_cpu(tmp_path):
     """One family, tiny, through the runner's trainer and the baseline loop: a row with both rates, both
