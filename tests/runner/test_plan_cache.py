@@ -76,7 +76,7 @@ def test_a_refusal_is_kept_too(monkeypatch):
         memory_plan.check_before_launch(_tiny())
 
 
-def test_a_refusal_of_the_plain_loss_names_the_loss_in_chunks_where_that_fits(monkeypatch):
+def test_a_refusal_of_the_plain_loss_names_the_loss_in_chunks_where_that_fits(monkeypatch, capsys):
     """A GPT whose logits (vocabulary 8192) make most of its step, on a device between the peak with the
     loss in chunks and the plain loss's: refused, and the refusal names loss.chunks=8 with its peak;
     kept with the plan for a rerun; a recipe already in chunks is not told so."""
@@ -92,6 +92,11 @@ def test_a_refusal_of_the_plain_loss_names_the_loss_in_chunks_where_that_fits(mo
     named = re.search(r"; loss\.chunks=8 \(the output layer and the loss in chunks\) would \(([\d.]+) MiB\)$", said)
     assert "does not fit" in said and named, said
     assert float(named.group(1)) * 2**20 <= (chunked + plain) // 2, said
+    # python -m distlib.runner.plan says it too, on a device of that size
+    gib = (chunked + plain) // 2 / 2**30
+    assert memory_plan.main(["recipes/gpt_demo.yaml", "train.batch_size=16", *over, "--gpu-gib", f"{gib:.6f}"]) == 0
+    printed = capsys.readouterr().out
+    assert "does not fit" in printed and "; loss.chunks=8 (the output layer and the loss in chunks) would (" in printed
     monkeypatch.setattr(memory_plan, "_plan_here", lambda *a: pytest.fail("planned again"))
     monkeypatch.setattr(memory_plan, "_plan_in_child", lambda *a: pytest.fail("planned again"))
     with pytest.raises(memory_plan.MemoryRefused) as again:

@@ -1004,6 +1004,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.recipe, args.overrides)
         gpu = int(args.gpu_gib * GIB) if args.gpu_gib is not None else device_bytes()
         result = plan(cfg, args.nproc, gpu_bytes=gpu, precision=args.precision)
+        add_chunked(cfg, result, lambda chunked: plan(chunked, args.nproc, gpu_bytes=gpu, precision=args.precision,
+                                                      shards=(cfg.dist.shard,), batches=False,
+                                                      checkpointing=(cfg.train.activation_checkpointing,)))  # fmt: skip
     except ConfigError as e:
         lines = e.problems
         print("error: " + (lines[0] if len(lines) == 1 else str(e)), file=sys.stderr)
@@ -1019,6 +1022,17 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(result.as_dict(), f, indent=1)
     return 0
+
+
+def add_chunked(cfg: Config, result: MemoryPlan, measure: Callable[[Config], MemoryPlan | None]) -> None:
+    """``result.chunked``, for a refusal of a recipe with the plain loss (loss.chunks 0): the peak that
+    ``measure`` gives the recipe with loss.chunks=CHUNKED, kept where it is lower (a model whose output
+    layer the loss cannot take has the same peak)."""
+    if result.fits() is not False or cfg.loss.chunks != 0:
+        return
+    other = measure(dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, chunks=CHUNKED)))
+    if other is not None and other.peak() < result.peak():
+        result.chunked = other.peak()
 
 
 def device_bytes(index: int | None = None) -> int | None:
@@ -1061,12 +1075,14 @@ def check_before_launch(cfg: Config) -> MemoryPlan | None:
         outcome, result = measure(cfg, world, gpu, on_gpu, own)
         if outcome == "ok" and result.fits() is False:  # what would fit instead: every mode, measured only now
             outcome, result = _plan_in_child(cfg, world, gpu, on_gpu, {})
-            if outcome == "ok" and cfg.loss.chunks == 0:  # and the recipe's modes with the loss in chunks
-                chunked = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, chunks=CHUNKED))
-                how, other = (_plan_in_child if cfg.dist.shard == "full" else _plan_here)(chunked, world, gpu, on_gpu,
-                                                                                         own)  # fmt: skip
-                if how == "ok" and other.peak() < result.peak():  # a model that takes no head: the same peak
-                    result.chunked = other.peak()
+            if outcome == "ok":  # and the recipe's modes with the loss in chunks, where its loss is plain
+                measure_own = _plan_in_child if cfg.dist.shard == "full" else _plan_here
+
+                def in_chunks(chunked: Config) -> MemoryPlan | None:
+                    how, other = measure_own(chunked, world, gpu, on_gpu, own)
+                    return other if how == "ok" else None
+
+                add_chunked(cfg, result, in_chunks)
         if outcome == "ok":
             return outcome, result.as_dict(), True
         return outcome, result, outcome != "died"  # a child that died (out of host memory) may not die again
