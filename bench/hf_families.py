@@ -303,14 +303,13 @@ def baseline_row(args: argparse.Namespace, family: str, attn: str, work: str) ->
     """bench/baselines/hf_loop.py on the same config, batch and attention, in its own process. Out of
     memory at that batch, it runs again at half the batch (down to 1 sequence), the batch it ran at
     in the row (``baseline_batch``): the loop's best on the card, where the runner fits the larger."""
-    batch, _ = batch_of(args, family)
-    out: dict = {}
+    first = batch = batch_of(args, family)[0]
     while True:
         out = _baseline_at(args, family, attn, work, batch)
-        if "baseline_error" not in out or "OutOfMemoryError" not in out["baseline_error"] or batch == 1:
+        if "OutOfMemoryError" not in out.get("baseline_error", "") or batch == 1:
             break
         batch //= 2
-    if batch != batch_of(args, family)[0]:
+    if batch != first:
         out["baseline_batch"] = batch
     return out
 

@@ -354,6 +354,24 @@ def record_init(device: torch.device, model: nn.Module | None = None) -> Iterato
         yield rec
 
 
+def check_recorded(model: nn.Module, rec: InitRecording) -> None:
+    """Every parameter on the meta device is one the recording knows (not one a conversion such as
+    ``model.to(dtype)`` replaced by a new tensor); raises Unreplayable naming those it does not."""
+    unknown = [n for n, p in model.named_parameters() if p.device.type == "meta" and not rec.recorded(p)]
+    if unknown:
+        raise Unreplayable(f"{', '.join(unknown[:3])} were replaced by tensors made from them (a conversion)")
+
+
+def rng_states(device: torch.device) -> list[tuple[torch.Generator, torch.Tensor]]:
+    """The states of the generators a build on ``device`` draws from (the CPU's, and the GPU's there),
+    to put back before a build that must draw the stream again."""
+    gens = [torch.default_generator]
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gens.append(torch.cuda.default_generators[index])
+    return [(g, g.get_state()) for g in gens]
+
+
 def build_converted(
     build: Callable[[], nn.Module], convert: Callable[[nn.Module], object], device: torch.device | str
 ) -> nn.Module:
@@ -368,17 +386,12 @@ def build_converted(
     pretrained model's, read afterwards). Where the initialisation cannot be replayed one parameter
     at a time (``Unreplayable``), the model is built whole on ``device`` and converted, as plainly."""
     device = torch.device(device)
-    gens = [torch.default_generator]
-    if device.type == "cuda":
-        gens.append(torch.cuda.default_generators[device.index if device.index is not None else
-                                                  torch.cuda.current_device()])  # fmt: skip
-    states = [(g, g.get_state()) for g in gens]
+    states = rng_states(device)
     try:
         with torch.device(device), record_init(device) as rec:
             model = build()
         plain_parameters(model)
-        if unknown := [n for n, p in model.named_parameters() if p.device.type == "meta" and not rec.recorded(p)]:
-            raise Unreplayable(f"{', '.join(unknown[:3])} were replaced by tensors made from them")
+        check_recorded(model, rec)
     except (Unreplayable, NotImplementedError):
         for g, s in states:  # the stream as the caller left it: the whole build draws it again
             g.set_state(s)

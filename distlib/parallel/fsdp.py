@@ -29,9 +29,11 @@ from distlib.parallel.blocks import find_blocks
 from distlib.parallel.deferred_init import (
     InitRecording,
     Unreplayable,
+    check_recorded,
     parameters_to_meta,
     plain_parameters,
     record_init,
+    rng_states,
 )
 from distlib.parallel.sharded_optimizer import ShardingError
 
@@ -178,7 +180,7 @@ def _record(
         with record_init(device, model) as rec, torch.no_grad():
             (init or _default_init)(model)
         plain_parameters(model)
-        _check_recorded(model, rec)
+        check_recorded(model, rec)
         return model, rec, filled
     if init is not None:  # the model's own initialisation skipped (on the meta device), init(model) recorded
         with parameters_to_meta():
@@ -187,29 +189,14 @@ def _record(
         with record_init(device, model) as rec, torch.no_grad():
             init(model)
         plain_parameters(model)
-        _check_recorded(model, rec)
+        check_recorded(model, rec)
         return model, rec, filled
     # the plain build's code, where it runs, under the caller's random stream
     with torch.device(device), record_init(device) as rec:
         model = _checked(build())
     plain_parameters(model)
-    _check_recorded(model, rec)
+    check_recorded(model, rec)
     return model, rec, []
-
-
-def _check_recorded(model: nn.Module, rec: InitRecording) -> None:
-    """Every parameter on the meta device is one the recording knows (not one a conversion such as
-    ``model.to(dtype)`` replaced by a new tensor)."""
-    unknown = [n for n, p in model.named_parameters() if p.device.type == "meta" and not rec.recorded(p)]
-    if unknown:
-        raise Unreplayable(f"{', '.join(unknown[:3])} were replaced by tensors made from them (a conversion)")
-
-
-def _rng_states(device: torch.device) -> list[tuple[torch.Generator, torch.Tensor]]:
-    gens = [torch.default_generator]
-    if device.type == "cuda":
-        gens.append(torch.cuda.default_generators[device.index])
-    return [(g, g.get_state()) for g in gens]
 
 
 def _raise_uninitialised(bad: list[str], how: str) -> None:
@@ -298,7 +285,7 @@ def shard_model(
     elif isinstance(build, nn.Module) and not on_meta:
         model, filled = _build_whole(build, init, device)
     else:
-        states = _rng_states(device)
+        states = rng_states(device)
         try:
             model, rec, filled = _record(build, init, device)
         except (Unreplayable, NotImplementedError) as e:

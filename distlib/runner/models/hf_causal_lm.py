@@ -381,13 +381,13 @@ class HFCausalLM(nn.Module):
         qk = getattr(c, "qk_head_dim", None) or head_dim  # multi-head latent attention's (DeepSeek-V3) differ
         v = getattr(c, "v_head_dim", None) or head_dim
         layers = getattr(c, "num_hidden_layers", 0) or 0
-        weights = 6 * self.active_params(embeddings=False)
+        weights = self.active_params(embeddings=False)
+        frozen = 0
         if self.lora is not None:
             from distlib.runner.models import lora
 
-            frozen = self.active_params(embeddings=False) - sum(p.numel() for _, p in lora.adapters(self.hf))
-            weights -= 2 * frozen
-        return weights + 6 * layers * heads * (qk + v) * seq_len
+            frozen = weights - sum(p.numel() for _, p in lora.adapters(self.hf))
+        return 6 * weights - 2 * frozen + 6 * layers * heads * (qk + v) * seq_len
 
     def save_files(self, run_dir: str) -> list[str]:
         """The model's ``config.json`` (what builds it again, with no other folder) and, from a
