@@ -170,12 +170,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="the memory plan of each family's recipe alone, on any machine (as for a GPU run)",
     )
+    p.add_argument(
+        "--gpu-gib",
+        type=float,
+        default=0.0,
+        help="the memory the plan fits each family's batch to (default: the GPU's; none on the CPU)",
+    )
     p.add_argument("--profile", type=int, default=0, help="then N steps of each side under torch.profiler")
     p.add_argument("--titan", action="store_true", help="also torchtitan on the Llama shape (llama's row; a GPU)")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--work", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.families = [f for f in args.families.split(",") if f]
+    args.fitted = 0  # the batch the memory plan fits on the card (plan_row), once planned
     unknown = [f for f in args.families if f not in SHAPES]
     if unknown:
         p.error(f"--families: unknown {', '.join(unknown)} (known: {', '.join(SHAPES)})")
@@ -193,9 +200,9 @@ def config_of(args: argparse.Namespace, family: str) -> dict:
 
 
 def batch_of(args: argparse.Namespace, family: str) -> tuple[int, int]:
-    if args.tiny or family not in SEQ:
-        return args.batch, args.seq
-    return SEQ[family]
+    """Sequences a step and tokens a sequence: the family's, or the batch its memory plan fits."""
+    batch, seq = (args.batch, args.seq) if args.tiny else SEQ.get(family, (args.batch, args.seq))
+    return args.fitted or batch, seq
 
 
 def token_file(directory: str, n: int) -> str:
@@ -232,16 +239,27 @@ def runner_config(args: argparse.Namespace, family: str, work: str):  # noqa: AN
 
 def plan_row(args: argparse.Namespace, family: str, work: str) -> dict:
     """The memory plan of the runner's recipe (``distlib.runner.plan``, fake tensors on the CPU): one
-    rank's peak, the warm-up's copy of the weights included where the runner warms up (a GPU)."""
+    rank's peak, the warm-up's copy of the weights included where the runner warms up (a GPU). On a
+    GPU (or with ``--gpu-gib``) the batch is halved until the plan says the run fits the card, with
+    the runner's own margin, down to 1 sequence: both sides then run at that batch (``args.fitted``,
+    the row's ``batch``), as a user of the card would."""
     import torch
 
-    from distlib.runner.training.memory_plan import plan
+    from distlib.runner.training.memory_plan import device_bytes, plan
 
+    gpu = int(args.gpu_gib * 2**30) if args.gpu_gib else None if args.tiny else device_bytes()
     t0 = time.perf_counter()
-    cfg = runner_config(args, family, work)
-    result = plan(cfg, 1, shards=(cfg.dist.shard,), checkpointing=(cfg.train.activation_checkpointing,),
-                  batches=False, warm_up=torch.cuda.is_available() or args.plan_only)  # fmt: skip
-    return {"plan_gib": round(result.peak() / 2**30, 2), "plan_s": round(time.perf_counter() - t0, 1)}
+    while True:
+        cfg = runner_config(args, family, work)
+        result = plan(cfg, 1, gpu_bytes=gpu, shards=(cfg.dist.shard,),
+                      checkpointing=(cfg.train.activation_checkpointing,), batches=False,
+                      warm_up=torch.cuda.is_available() or args.plan_only)  # fmt: skip
+        batch = cfg.train.batch_size
+        if result.fits() is not False or batch == 1:
+            break
+        args.fitted = batch // 2
+    return {"batch": batch, "plan_gib": round(result.peak() / 2**30, 2), "plan_fits": result.fits(),
+            "plan_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
 
 
 def runner_row(args: argparse.Namespace, family: str, work: str) -> dict:
@@ -356,17 +374,16 @@ def child(args: argparse.Namespace) -> int:
     family = args.child
     with tempfile.TemporaryDirectory(dir=args.work or None) as work:
         row = {"family": family, "shape": "tiny" if args.tiny else SHAPES[family][0]}
-        # the baseline first, in its own process: this one holds nothing on the GPU meanwhile
+        try:  # first: the batch the card holds (the plan starts a fake process group: before the real one)
+            row.update(plan_row(args, family, work))
+        except Exception as e:  # as at launch, a plan not made leaves the run itself alone
+            row["plan_error"] = f"{type(e).__name__}: {e}"[-1500:]
+        # the baseline next, in its own process: this one holds nothing on the GPU meanwhile
         # (auto: the same attention as the runner's default, which the row's "attn" shows)
         if not args.plan_only:
             row.update(baseline_row(args, family, args.attn, work))
             if args.titan and family == "llama":
                 row.update(titan_row(args))
-        try:
-            row.update(plan_row(args, family, work))  # before the process group: the plan starts a fake one
-        except Exception as e:  # as at launch, a plan not made leaves the run itself alone
-            row["plan_error"] = f"{type(e).__name__}: {e}"[-1500:]
-        if not args.plan_only:
             try:
                 row.update(runner_row(args, family, work))
             except Exception as e:  # the row says so; the other families still run
@@ -381,9 +398,9 @@ def child(args: argparse.Namespace) -> int:
 
 def table(rows: list[dict]) -> str:
     """The markdown table of ``rows``: a failed side says so."""
-    lines = ["| family | shape | attention | params | runner tok/s | hf_loop compiled tok/s | ratio | runner MFU "
-             "| runner peak GiB | planned GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| family | shape | attention | params | batch | runner tok/s | hf_loop compiled tok/s | ratio "
+             "| runner MFU | runner peak GiB | planned GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         tps, base = r.get("runner_tokens_per_s"), r.get("baseline_tokens_per_s")
         mfu = f"{tps * r['flops_per_token'] / PEAK:.1%}" if tps and r.get("cuda") else "-"
@@ -396,7 +413,7 @@ def table(rows: list[dict]) -> str:
         baseline = round(base) if base else "failed" if "baseline_error" in r else "-"
         if base and "baseline_batch" in r:  # out of memory at the runner's batch: the batch it ran at
             baseline = f"{baseline} (batch {r['baseline_batch']})"
-        lines.append(f"| {r['family']} | {r['shape']} | {attn} | {params} | {runner} | "
+        lines.append(f"| {r['family']} | {r['shape']} | {attn} | {params} | {r.get('batch', '-')} | {runner} | "
                      f"{baseline} | {r.get('ratio', '-')} | {mfu} | {peak or '-'} | "
                      f"{r.get('plan_gib', 'failed' if 'plan_error' in r else '-')} |")  # fmt: skip
     for r in rows:
@@ -419,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "bench.hf_families", "--child", family, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
                "--attn", args.attn, "--runner-attn", args.runner_attn, "--profile", str(args.profile),
+               "--gpu-gib", str(args.gpu_gib),
                *(["--tiny"] if args.tiny else []), *(["--titan"] if args.titan else []),
                *(["--plan-only"] if args.plan_only else [])]  # fmt: skip
         t0 = time.perf_counter()

@@ -556,13 +556,13 @@ def test_hf_families_shapes_build_and_the_table_shows_each_ratio():
             assert tiny or 0.45e9 < n < 3e9, (family, n)
     rows = [{"family": "llama", "shape": "Llama-3.2-1B", "attn": "sdpa", "params": 1.24e9, "cuda": True,
              "runner_tokens_per_s": 60000, "flops_per_token": 9e9, "baseline_tokens_per_s": 50000.0, "ratio": 1.2,
-             "runner_peak_gib": 48.5, "plan_gib": 48.39},
+             "runner_peak_gib": 48.5, "plan_gib": 48.39, "batch": 4},
             {"family": "gemma2", "shape": "Gemma-2-2B", "runner_error": "OOM", "baseline_tokens_per_s": 1,
              "plan_error": "no fake flex"},
             {"family": "qwen3", "shape": "Qwen3-0.6B", "attn": "flex_attention", "baseline_attn": "sdpa"}]  # fmt: skip
     table = hf_families.table(rows).splitlines()
-    assert table[2] == "| llama | Llama-3.2-1B | sdpa | 1.24B | 60000 | 50000 | 1.2 | 54.6% | 48.5 | 48.39 |"
-    assert table[3] == "| gemma2 | Gemma-2-2B | - | - | failed | 1 | - | - | - | failed |"
+    assert table[2] == "| llama | Llama-3.2-1B | sdpa | 1.24B | 4 | 60000 | 50000 | 1.2 | 54.6% | 48.5 | 48.39 |"
+    assert table[3] == "| gemma2 | Gemma-2-2B | - | - | - | failed | 1 | - | - | - | failed |"
     assert table[4].startswith("| qwen3 | Qwen3-0.6B | flex_attention / sdpa |")  # --runner-attn: both named
     # torchtitan's anchor (--titan) rides on the llama row; a GPU only, so the CPU's modes refuse it
     assert hf_families.parse_args(["--families", "llama", "--titan"]).titan
@@ -605,6 +605,26 @@ def test_hf_families_runs_the_loop_at_half_the_batch_where_it_runs_out_of_memory
     monkeypatch.setattr(hf_families, "result_fields", lambda cmd: seen.append(1) or "ImportError: no transformers")
     row = hf_families.baseline_row(args, "gemma2", "auto", str(tmp_path))
     assert seen == [1] and "baseline_batch" not in row and "baseline_error" in row
+
+
+def test_hf_families_fits_the_batch_to_the_card_by_the_memory_plan(tmp_path):
+    """With a card's memory (--gpu-gib here, the GPU's on a GPU) the family's batch is halved until the
+    plan fits it, down to 1 sequence; the row and the table name the batch both sides run at."""
+    pytest.importorskip("transformers")
+    from bench import hf_families
+
+    args = hf_families.parse_args(["--tiny", "--families", "qwen3", "--plan-only"])
+    roomy = hf_families.plan_row(args, "qwen3", str(tmp_path))  # no card: the batch asked for, no verdict
+    assert roomy["batch"] == 2 and roomy["plan_fits"] is None and hf_families.batch_of(args, "qwen3")[0] == 2
+    args = hf_families.parse_args(["--tiny", "--families", "qwen3", "--plan-only", "--gpu-gib", "1e-3"])
+    tight = hf_families.plan_row(args, "qwen3", str(tmp_path))  # below the margin: nothing fits, down to 1
+    assert tight["batch"] == 1 and tight["plan_fits"] is False and hf_families.batch_of(args, "qwen3")[0] == 1
+    assert 0 < tight["plan_gib"] < roomy["plan_gib"], (tight, roomy)
+    big = 1.0 + 0.03 * 80 + 2 * roomy["plan_gib"] + 0.01  # room for batch 2 beside the 1 GiB + 3% margin
+    args = hf_families.parse_args(["--tiny", "--families", "qwen3", "--plan-only", "--gpu-gib", "80"])
+    assert big < 80 and hf_families.plan_row(args, "qwen3", str(tmp_path))["batch"] == 2
+    table = hf_families.table([{"family": "qwen3", "shape": "tiny", **tight}])
+    assert "| qwen3 | tiny | - | - | 1 | - |" in table
 
 
 @pytest.mark.slow
