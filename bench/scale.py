@@ -89,6 +89,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=1, help="GPUs (one process each) of the runner part")
     p.add_argument("--steps", type=int, default=40, help="training steps of each runner run")
     p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe override of the runner and recipe parts' runs, after the bench's own "
+                        "(repeatable): run.memory_plan=off, beside a run without it, says what the check before "
+                        "launch costs")  # fmt: skip
     p.add_argument("--ac-size", default="6.7B")
     p.add_argument("--ac-seq-len", type=int, default=4096)
     p.add_argument("--ac-modes", type=csv, default=list(AC_MODES))
@@ -162,7 +166,7 @@ def runner_command(args: argparse.Namespace, shard: str, data: str, out: str, ca
         "train.sample_tokens=0",
         "train.compile=blocks", f"train.compile_backend={args.compile_backend}", "train.prewarm_steps=3",
         f"dist.shard={shard}", f"run.out_dir={out}", "run.resume=false", f"run.compile_cache_dir={cache}",
-        "run.progress=plain",
+        "run.progress=plain", *args.override,
     ]  # fmt: skip
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
     return [*torchrun, os.path.join(ROOT, "launch.py"), os.path.join(ROOT, "recipes", "gpt_tokens_demo.yaml"),
@@ -178,7 +182,7 @@ def recipe_command(args: argparse.Namespace, shard: str, out: str, cache: str) -
         "model.args.dropout=0.0", f"train.batch_size={args.batch * args.nproc}", "train.epochs=1",
         "train.sample_tokens=0", "train.compile=blocks", f"train.compile_backend={args.compile_backend}",
         f"dist.shard={shard}", f"run.out_dir={out}", "run.resume=false", f"run.compile_cache_dir={cache}",
-        "run.progress=plain", f"train.max_steps={args.recipe_steps}",
+        "run.progress=plain", f"train.max_steps={args.recipe_steps}", *args.override,
     ]  # fmt: skip
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
     return [*torchrun, os.path.join(ROOT, "launch.py"), os.path.join(ROOT, "recipes", "gpt_shakespeare.yaml"),
@@ -197,7 +201,7 @@ def runner_row(args: argparse.Namespace, shard: str, cache: str, data: str, base
     t0 = time.perf_counter()
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     row = {"part": part, "mode": shard, "cache": "cold" if cold else "warm", "rc": proc.returncode,
-           "command_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+           "command_s": round(time.perf_counter() - t0, 1), "overrides": args.override}  # fmt: skip
     # the run's own output (TORCH_LOGS=recompiles and the like go there), next to the rows
     logs = os.path.join(os.path.dirname(args.json) or ".", "logs")
     os.makedirs(logs, exist_ok=True)
@@ -409,6 +413,8 @@ def table(rows: list[dict]) -> str:
                 "steps s | evaluation s | whole command s | beyond those s |",
                 "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]  # fmt: skip
         for r in runner:
+            if r.get("overrides"):  # the shard column names what else the run was given
+                r = {**r, "mode": f"{r['mode']}, {' '.join(r['overrides'])}"}
             if r.get("rc"):
                 out.append(f"| {r['mode']} | {r['cache']} | failed: {r.get('note', '')} ||||||||||||||")
                 continue

@@ -322,6 +322,8 @@ def test_scale_parses_its_parts_and_tiny_sizes_and_tables_every_part():
          "to_first_step_s": 8.0, "tokens_per_s": 49000.0, "mfu": 0.51, "peak_mem_gib": 70.0, "final_save_s": 21.0,
          "save_wait_s": 4.5, "train_s": 50.2, "eval_s": 17.1, "command_s": 85.0, "beyond_s": 17.7},
         {"part": "runner", "mode": "full", "cache": "warm", "rc": 1, "note": "boom"},
+        {"part": "runner", "mode": "none", "cache": "cold", "rc": 0, "overrides": ["run.memory_plan=off"],
+         "to_first_step_s": 22.5},
         {"part": "anchors", "mode": "plain", "build_s": 0.38, "torch_save_s": 23.0, "checkpoint_gib": 16.5,
          "sharded_save_s": 15.5, "host_async_blocked_s": 6.5, "host_async_stall_s": 6.9, "host_async_write_s": 14.0,
          "host_async2_blocked_s": 0.02, "host_async2_stall_s": 0.9, "host_async2_write_s": 25.5,
@@ -337,6 +339,13 @@ def test_scale_parses_its_parts_and_tiny_sizes_and_tables_every_part():
               "50.2 | 17.1 | 85.0 | 17.7 |")  # fmt: skip
     assert "recipe:\n" in text and recipe in text
     assert "| full | warm | failed: boom |" in text
+    assert "| none, run.memory_plan=off | cold | — | — | — | — | 22.5 |" in text  # --override: the row says it
+    assert scale.parse_args(["--override", "run.memory_plan=off", "--override=a.b=1"]).override == [
+        "run.memory_plan=off",
+        "a.b=1",
+    ]
+    command = scale.runner_command(scale.parse_args(["--override", "run.memory_plan=off"]), "none", "d", "o", "c")
+    assert command[-1] == "run.memory_plan=off"  # after the bench's own: it wins
     assert "| 0.38 s |" in text and "| 15.5 s |" in text and "48900 tokens/s, 50.8%" in text
     assert "staging=host, first: blocked / cost to training / written in | 6.50 / 6.90 / 14.0 s |" in text
     assert "staging=host, second: blocked / cost to training / written in | 0.02 / 0.90 / 25.5 s |" in text

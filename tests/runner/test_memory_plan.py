@@ -35,7 +35,7 @@ def _tiny(*overrides: str):
 def test_the_plan_is_the_cpu_allocators_peak_of_the_runners_step_at_two_fake_ranks(shard, tolerance):
     """The runner's model and step (GradSync's flat buckets, the sharded optimizer, shard_model) built
     and run for real under a fake process group of 2 ranks, its allocations recorded by torch's
-    profiler (bench/plan_accuracy.py --tiny): the plan's peak, a 6-block GPT extrapolated from 2 and 3."""
+    profiler (bench/plan_accuracy.py --tiny): the plan's peak, a 6-block GPT extrapolated from 1, 2 and 3."""
     from bench import plan_accuracy
 
     cfg, per_rank = plan_accuracy.config_of("gpt-tiny", 2, shard, "none", False)
@@ -187,7 +187,7 @@ def test_blocks_extrapolate_exactly_and_the_parts_follow_the_shard_mode():
     with fake_world(4):
         kw = dict(world_size=4, batch=4, checkpointing="none", precision="fp32")
         step = {s: measure_step(spec, shard=s, **kw) for s in ("none", "optimizer", "full")}
-        assert step_memory(spec, shard="full", **kw) == step["full"]  # 2 and 3 blocks, extrapolated to 6
+        assert step_memory(spec, shard="full", **kw) == step["full"]  # 1, 2 and 3 blocks, extrapolated to 6
     params = sum(p.numel() * 4 for p in spec.build().parameters())
     none, zero1, full = step["none"].parts, step["optimizer"].parts, step["full"].parts
     assert none["parameters"] == zero1["parameters"] == params

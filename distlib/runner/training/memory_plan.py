@@ -265,7 +265,7 @@ class StepSpec:
     compiled_blocks: bool = False  # train.compile compiles the blocks one by one with inductor
     chunks: int = 0  # loss.chunks: the output layer and the loss in chunks, where the model takes a head
     # the compiled blocks' traces (seconds each), shared by every step measured of this spec: the model at
-    # 2, 3, 4... blocks and each mode's step trace its blocks once (_partitioned_as_inductor)
+    # 1, 2, 3... blocks and each mode's step trace its blocks once (_partitioned_as_inductor)
     traces: dict[Any, Callable[..., Any]] = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -855,8 +855,8 @@ def measure_loss(spec: StepSpec, batch: int, shard: str, precision: str) -> int:
 
 
 def step_memory(spec: StepSpec, **kwargs: Any) -> StepMemory:
-    """``measure_step``; for a model of more than 4 blocks that can be built with fewer, measured at 2,
-    3, 4... blocks until each block adds the same to every part twice in a row, then extrapolated to
+    """``measure_step``; for a model of more than 5 blocks that can be built with fewer, measured at 1,
+    2, 3... blocks until each block adds the same to every part twice in a row, then extrapolated to
     its number from the last two: past the first few blocks every block adds the same storages (its
     weights, their gradient and optimizer state, its activations) and the peak comes at the same
     point of the step, so the peak is linear in the blocks. The first blocks are not yet there: under
@@ -864,16 +864,19 @@ def step_memory(spec: StepSpec, **kwargs: Any) -> StepMemory:
     those FSDP2 prefetches and the last block's (kept gathered since forward), which overlap at 2
     blocks and not from 3 on, and the peak moves to another point of the backward; the step
     from 2 to 3 blocks, taken as every block's, planned a 6.7B GPT at 1.7 times its GPU's peak, with
-    negative parts. Where no two steps agree by 8 blocks, the whole model is measured."""
+    negative parts. Where no two steps agree by 8 blocks, the whole model is measured. From 1 block
+    on, not 2: a model whose blocks add the same from the first (most: no sharding, or no
+    checkpointing) is planned from 6 fake blocks instead of 9, the plan of a recipe's first run 0.8x
+    (docs/memory_plan.md); one that does not yet measures one more small model."""
     n = spec.layers
-    if n <= 4 or spec.build_layers is None:
+    if n <= 5 or spec.build_layers is None:
         return measure_step(spec, **kwargs)
 
     def growth(a: StepMemory, b: StepMemory) -> dict[str, int]:
         return {k: b.parts[k] - a.parts[k] for k in b.parts}
 
-    before, last = measure_step(spec, layers=2, **kwargs), measure_step(spec, layers=3, **kwargs)
-    for k in range(4, min(n, 9)):
+    before, last = measure_step(spec, layers=1, **kwargs), measure_step(spec, layers=2, **kwargs)
+    for k in range(3, min(n, 9)):
         step = growth(before, last)
         before, last = last, measure_step(spec, layers=k, **kwargs)
         if growth(before, last) == step:
