@@ -771,3 +771,17 @@ def test_the_loss_bench_runs_tiny_on_the_cpu(tmp_path):
                            timeout=600)  # fmt: skip
     assert alone.returncode == 0, alone.stderr[-3000:]
     assert [json.loads(line)["variant"] for line in alone.stdout.splitlines()] == ["plain", "chunked"]
+
+
+def test_plan_time_times_the_first_check_and_the_cached_rerun():
+    """bench.plan_time: the check before launch in a fresh process, each stage's CPU and wall seconds;
+    the rerun reads the plan its first check wrote (far cheaper than making it)."""
+    cmd = [sys.executable, "-m", "bench.plan_time", "--recipe", "recipes/gpt_demo.yaml", "--repeats", "1",
+           "train.batch_size=12"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    fields = dict(kv.split("=") for kv in line.split()[1:5])
+    assert list(fields) == ["torch", "compile_imports", "plan", "rerun"], line
+    cpu = {k: float(v.split("/")[0]) for k, v in fields.items()}
+    assert cpu["plan"] > 0 and cpu["rerun"] < cpu["plan"] / 2, line
