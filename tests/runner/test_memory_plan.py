@@ -447,3 +447,20 @@ def test_the_recipes_vocabulary_wins_over_the_datas_as_in_the_build():
     spec = step_spec(_tiny("model.args.vocab_size=50304"))
     assert spec.vocab_size == 50304 == spec.build().lm_head.out_features
     assert step_spec(_tiny()).vocab_size == 256
+
+
+def test_attention_dropout_is_planned_as_the_gpus_kernels_keep_it():
+    """SDPA with dropout keeps only a seed for backward on a GPU (flash and memory-efficient kernels);
+    on the CPU, where the plan runs, it takes the math path and keeps the (batch, heads, T, T)
+    probabilities (fp32 here) and their mask: planned so, a GPT-2 large at 8 x 1024 was 2.06 times
+    its H100 peak. With dropout the plan now adds what the blocks' other dropouts keep, which grows
+    with T, not with T squared: less than one byte per score of the blocks."""
+    t, blocks = 512, 3
+    spec_of = {p: step_spec(_tiny(f"data.args.block_size={t}", f"model.args.n_layer={blocks}",
+                                  f"model.args.dropout={p}")) for p in (0.0, 0.1)}  # fmt: skip
+    kw = dict(shard="none", world_size=1, batch=16, checkpointing="none", precision="fp32")
+    with fake_world(1):
+        plain, dropped = (measure_step(spec_of[p], **kw) for p in (0.0, 0.1))
+    extra = dropped.parts["activations"] - plain.parts["activations"]
+    scores = blocks * 16 * 4 * t * t  # batch x heads x T x T, one byte each (the math path keeps 5)
+    assert 0 < extra < scores, (extra, scores)
