@@ -452,12 +452,12 @@ class _AttentionDropoutAsOnGPU(TorchFunctionMode):
     tokens (dropout 0.1, its default) was 2.06 times the GPU's peak."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = dict(kwargs or {})
-        if func is F.scaled_dot_product_attention:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:  # a copy of its arguments only: every other call as it is
             if len(args) > 4:  # dropout_p given by position
                 args = (*args[:4], 0.0, *args[5:])
             else:
-                kwargs["dropout_p"] = 0.0
+                kwargs = {**kwargs, "dropout_p": 0.0}
         return func(*args, **kwargs)
 
 
