@@ -18,7 +18,8 @@ the table says which) is trained
    the family), in a process of its own: ``model(input_ids=x, labels=x).loss`` under bf16 autocast,
    fused AdamW, clipping, ``torch.compile(model)``;
 2. then by the runner, in the family's process: a recipe of ``model.name: hf_causal_lm`` with that
-   config, bf16, AdamW, clipping, each decoder layer compiled (``train.compile=blocks``), one GPU,
+   config, bf16, AdamW, clipping, each decoder layer compiled (``train.compile=blocks``; the whole
+   model with ``--runner-compile model``), one GPU,
    random token ids in a token file; ``Trainer.build`` as launch.py runs it (the model, the step,
    its warm-up), then ``--steps`` timed calls of the trainer's own ``train_step`` on one batch (the
    schedule included; no evaluation or checkpoint).
@@ -163,6 +164,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="",
         help="attn_implementation of the runner alone (default: --attn's); the loop keeps --attn",
     )
+    p.add_argument(
+        "--runner-compile",
+        default="blocks",
+        choices=("blocks", "model"),
+        help="the runner's train.compile: each decoder layer (the recipes' default) or the whole model",
+    )
     p.add_argument("--json", default=os.path.join(ROOT, ".bench", "out", "hf_families.jsonl"))
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU, 2 steps (the test)")
     p.add_argument(
@@ -228,7 +235,7 @@ def runner_config(args: argparse.Namespace, family: str, work: str):  # noqa: AN
                                                    "attn_implementation": args.runner_attn or args.attn}},
         "train": {"epochs": 1, "batch_size": batch, "optimizer": "adamw", "lr": 3e-4, "weight_decay": 0.1,
                   "label_smoothing": 0.0, "warmup_frac": 0.0, "precision": "bf16", "clip_grad_norm": 1.0,
-                  "compile": "blocks", "sample_tokens": 0, "prewarm_steps": args.warmup},
+                  "compile": args.runner_compile, "sample_tokens": 0, "prewarm_steps": args.warmup},
         "run": {"out_dir": os.path.join(work, "run"), "resume": False, "progress": "plain"},
     }  # fmt: skip
     path = os.path.join(work, "recipe.yaml")
@@ -374,6 +381,8 @@ def child(args: argparse.Namespace) -> int:
     family = args.child
     with tempfile.TemporaryDirectory(dir=args.work or None) as work:
         row = {"family": family, "shape": "tiny" if args.tiny else SHAPES[family][0]}
+        if args.runner_compile != "blocks":
+            row["runner_compile"] = args.runner_compile
         try:  # first: the batch the card holds (the plan starts a fake process group: before the real one)
             row.update(plan_row(args, family, work))
         except Exception as e:  # as at launch, a plan not made leaves the run itself alone
@@ -413,7 +422,8 @@ def table(rows: list[dict]) -> str:
         baseline = round(base) if base else "failed" if "baseline_error" in r else "-"
         if base and "baseline_batch" in r:  # out of memory at the runner's batch: the batch it ran at
             baseline = f"{baseline} (batch {r['baseline_batch']})"
-        lines.append(f"| {r['family']} | {r['shape']} | {attn} | {params} | {r.get('batch', '-')} | {runner} | "
+        family = r["family"] + (f" (compile={r['runner_compile']})" if "runner_compile" in r else "")
+        lines.append(f"| {family} | {r['shape']} | {attn} | {params} | {r.get('batch', '-')} | {runner} | "
                      f"{baseline} | {r.get('ratio', '-')} | {mfu} | {peak or '-'} | "
                      f"{r.get('plan_gib', 'failed' if 'plan_error' in r else '-')} |")  # fmt: skip
     for r in rows:
@@ -436,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "bench.hf_families", "--child", family, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
                "--attn", args.attn, "--runner-attn", args.runner_attn, "--profile", str(args.profile),
-               "--gpu-gib", str(args.gpu_gib),
+               "--gpu-gib", str(args.gpu_gib), "--runner-compile", args.runner_compile,
                *(["--tiny"] if args.tiny else []), *(["--titan"] if args.titan else []),
                *(["--plan-only"] if args.plan_only else [])]  # fmt: skip
         t0 = time.perf_counter()
