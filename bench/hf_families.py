@@ -274,13 +274,16 @@ def runner_row(args: argparse.Namespace, family: str, work: str) -> dict:
     import torch
 
     import distlib
+    from distlib.runner.observability.timeline import Timeline
     from distlib.runner.training.trainer import Trainer
 
     batch, seq = batch_of(args, family)
     cfg = runner_config(args, family, work)
+    timeline = Timeline(time.time())  # the build's stages from here (the process group's is "init")
     ctx = distlib.init()
+    timeline.mark("init")
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, ctx)
+    trainer = Trainer(cfg, ctx, timeline)
     try:
         trainer.build()
         build_s = time.perf_counter() - t0
@@ -309,6 +312,7 @@ def runner_row(args: argparse.Namespace, family: str, work: str) -> dict:
         mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         return {"family": family, "params": model.num_params(), "attn": model.config._attn_implementation, "cuda": cuda,
                 "runner_tokens_per_s": round(batch * seq / step_s), "runner_build_s": round(build_s, 1),
+                "runner_stages": {k: round(v, 2) for k, v in timeline.stages.items()},
                 "flops_per_token": flops, "runner_peak_gib": round(mem, 2), **profiled}  # fmt: skip
     finally:
         trainer.close()
@@ -426,6 +430,14 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {family} | {r['shape']} | {attn} | {params} | {r.get('batch', '-')} | {runner} | "
                      f"{baseline} | {r.get('ratio', '-')} | {mfu} | {peak or '-'} | "
                      f"{r.get('plan_gib', 'failed' if 'plan_error' in r else '-')} |")  # fmt: skip
+    staged = [r for r in rows if "runner_stages" in r]
+    if staged:  # where the runner's build goes: the stages launch.py times after its memory check
+        names = list(dict.fromkeys(k for r in staged for k in r["runner_stages"]))
+        lines += ["", "| family | " + " | ".join(f"{n} s" for n in names) + " | build s |",
+                  "|---|" + "---|" * (len(names) + 1)]  # fmt: skip
+        for r in staged:
+            cells = [str(r["runner_stages"].get(n, "-")) for n in names]
+            lines.append(f"| {r['family']} | " + " | ".join(cells) + f" | {r['runner_build_s']} |")
     for r in rows:
         if "titan_tokens_per_s" in r:
             tps, ratio = round(r["titan_tokens_per_s"]), r.get("titan_ratio", "-")
