@@ -304,7 +304,7 @@ def run_launch(args: argparse.Namespace, recipe: str, run_dir: str, folder: list
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     row = {"rc": proc.returncode, "command_s": round(time.perf_counter() - t0, 2)}
     if proc.returncode != 0:
-        row["note"] = (proc.stderr.strip().splitlines() or ["?"])[-1][-300:]
+        row["note"] = rows_.failure(proc.stderr)
         return row
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
@@ -379,7 +379,7 @@ def export_command(args: argparse.Namespace, run_dir: str, out: str, checkpoint:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     row = {"rc": proc.returncode, "command_s": round(time.perf_counter() - t0, 4)}
     if proc.returncode != 0:
-        row["note"] = (proc.stderr.strip().splitlines() or ["?"])[-1][-300:]
+        row["note"] = rows_.failure(proc.stderr)
         return row
     sync_files(files_under(out))
     row["s"] = round(time.perf_counter() - t0, 4)

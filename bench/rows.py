@@ -23,3 +23,11 @@ def sync(device: str) -> None:
         import torch
 
         torch.cuda.synchronize()
+
+
+def failure(stderr: str) -> str:
+    """Why a run failed, in one line of its ``stderr``: the runner's own ``error:`` line where it wrote
+    one (under torchrun the last lines are torchrun's report, which does not say why), else the last."""
+    lines = stderr.strip().splitlines() or ["?"]
+    said = [line for line in lines if line.startswith("error:")]
+    return said[-1][:400] if said else lines[-1][-300:]

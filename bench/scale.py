@@ -208,7 +208,7 @@ def runner_row(args: argparse.Namespace, shard: str, cache: str, data: str, base
     with open(os.path.join(logs, f"{part}-{shard}-{row['cache']}.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        row["note"] = (proc.stderr.strip().splitlines() or ["?"])[-1][-300:]
+        row["note"] = rows_.failure(proc.stderr)
         return row
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
@@ -333,7 +333,7 @@ def run_anchors(args: argparse.Namespace, base: str, rows: list[dict]) -> None:
         row.update(tokens_per_s=res.get("tokens_per_s"), mfu=res.get("mfu"), peak_mem_gib=res.get("peak_mem_gib"),
                    note=res.get("note", ""))  # fmt: skip
     else:
-        row["note"] = (proc.stderr.strip().splitlines() or ["?"])[-1][-300:]
+        row["note"] = rows_.failure(proc.stderr)
     emit(args, row, rows)
 
 

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace, family: str, base: str, cold: bool) -> dict:
     with open(os.path.join(logs, f"startup-{family}-{row['cache']}.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        row["note"] = (proc.stderr.strip().splitlines() or ["?"])[-1][-300:]
+        row["note"] = rows_.failure(proc.stderr)
         return row
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)

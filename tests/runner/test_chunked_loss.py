@@ -63,6 +63,42 @@ def test_the_chunked_loss_has_the_plain_losss_value_and_gradients(chunks, backen
         )
 
 
+@pytest.mark.parametrize("vocab", [VOCAB, 128])
+def test_the_output_layers_products_run_on_a_vocabulary_padded_to_an_aligned_length(vocab):
+    """An odd vocabulary (61 here, GPT-2's 50257) is padded to a multiple of 64 for the three matrix
+    products, whose rows of logits cuBLAS otherwise reads one element at a time; one already aligned
+    is used as it is."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm_.default):
+                a, b = args[-2], args[-1]
+                self.shapes.append((tuple(a.shape), tuple(b.shape)))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(ROWS * T, 12, generator=g, requires_grad=True)
+    head = nn.Linear(12, vocab, bias=False)
+    y = _targets(g, ROWS, T, vocab).flatten()
+    with Products() as seen:
+        loss = linear_cross_entropy(hidden, head, y, chunks=3, label_smoothing=SMOOTHING)
+    padded = -(-vocab // 64) * 64
+    assert len(seen.shapes) == 9  # three chunks: the logits, the hidden states' and the matrix's gradients
+    for a, b in seen.shapes:  # each product has the padded vocabulary as a dimension, never the odd one
+        assert padded in a + b, (a, b)
+        assert vocab == padded or vocab not in a + b, (a, b)
+    loss.backward()
+    assert head.weight.grad.shape == (vocab, 12)
+    want = F.cross_entropy(head(hidden), y, ignore_index=-100, reduction="sum", label_smoothing=SMOOTHING)
+    (want_w,) = torch.autograd.grad(want, [head.weight])
+    assert (head.weight.grad - want_w).abs().max() < 1e-5
+
+
 def test_an_output_layer_with_a_bias_or_of_another_kind_is_applied_whole():
     g = torch.Generator().manual_seed(5)
     hidden, y = torch.randn(2, T, 12, generator=g), _targets(g, 2, T, VOCAB)

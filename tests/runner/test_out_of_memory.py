@@ -66,6 +66,36 @@ def test_out_of_memory_names_the_step_the_plan_and_a_setting_that_would_fit(demo
     assert str(error).startswith("out of GPU memory in the warm-up on rank 0; python -m distlib.runner.plan ")
 
 
+def test_out_of_memory_says_how_much_was_fragmentation_and_how_much_lay_outside_torch(demo_plan, monkeypatch):
+    """torch's own figures of the failure (its message), in the one line: the allocator's reserve that
+    no tensor used, with the setting that gives it back where it is a GiB or more, and the memory
+    outside the allocator."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    _, bare = demo_plan
+    e = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 3.91 GiB. GPU 0 has a total capacity of 79.18 GiB of which "
+        "1.02 GiB is free. Including non-PyTorch memory, this process has 78.15 GiB memory in use. Of the "
+        "allocated memory 74.89 GiB is allocated by PyTorch, and 2.50 GiB is reserved by PyTorch but "
+        "unallocated. If reserved but unallocated memory is large try setting ..."
+    )
+    said = str(out_of_memory(e, where="at step 3", rank=2, device=torch.device("cpu"), plan=None))
+    assert said.startswith(
+        "out of GPU memory at step 3 on rank 2; of the rest, 2.50 GiB was reserved by torch's allocator but "
+        "not in use (fragmentation: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True gives it back) and "
+        "778.2 MiB was outside it (CUDA context, NCCL, cuBLAS); python -m distlib.runner.plan "
+    ), said
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # already set: no advice
+    said = str(out_of_memory(e, where="at step 3", rank=2, device=torch.device("cpu"), plan=None))
+    assert "2.50 GiB was reserved by torch's allocator but not in use and 778.2 MiB" in said, said
+    small = torch.OutOfMemoryError(str(e).replace("2.50 GiB is reserved", "20.00 MiB is reserved"))
+    said = str(out_of_memory(small, where="at step 3", rank=2, device=torch.device("cpu"), plan=None))
+    assert "20.0 MiB was reserved by torch's allocator but not in use and" in said, said
+    # a message without the figures (another torch, another allocator): nothing made up
+    bare_e = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+    said = str(out_of_memory(bare_e, where="at step 3", rank=2, device=torch.device("cpu"), plan=None))
+    assert "reserved" not in said and "outside" not in said
+
+
 @pytest.mark.slow
 def test_a_step_that_runs_out_of_memory_on_one_rank_ends_every_rank_with_one_line_and_exit_2(tmp_path):
     """Rank 1's third step raises torch.OutOfMemoryError (a model by import path, on the CPU): rank 1 says

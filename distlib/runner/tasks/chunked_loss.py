@@ -9,6 +9,12 @@ a time, their summed cross-entropy and, at once, that chunk's share of the gradi
 states and of the output matrix (the softmax minus the smoothed one-hot, multiplied back); only
 those gradients are kept until the backward, which scales them by the loss's gradient. So the
 matrix products are the plain loss's three, and one chunk's logits are all that ever exist.
+
+A vocabulary that is not a multiple of ``VOCAB_ALIGN`` (GPT-2's 50257, Granite's 49155) is padded
+with zero rows of the output matrix for those products: their rows of logits then have a length
+cuBLAS's fast kernels take (an odd row length leaves it kernels that read one element at a time:
+on one H100, GPT-2 large's three output-layer products took 51 ms of a 253 ms step in them). The
+padded logits are -inf, so they add nothing to the softmax, and their gradient is zero.
 """
 
 from __future__ import annotations
@@ -23,22 +29,32 @@ from torch import nn
 from distlib.runner.data.text import IGNORED
 from distlib.runner.tasks.losses import StepLoss, cross_entropy
 
+VOCAB_ALIGN = 64  # the output matrix's rows padded to a multiple of this (as nanoGPT pads 50257 to 50304)
 
-def _chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, smoothing: float, grads: bool):
+
+def _chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, smoothing: float, grads: bool, vocab: int):
     """One chunk: the summed cross-entropy of its trained rows (fp32) and, with ``grads``, the
-    gradient of that sum with respect to the chunk's logits (fp32; zero on ignored rows)."""
+    gradient of that sum with respect to the chunk's logits (fp32; zero on ignored rows and on the
+    padded columns past ``vocab``)."""
     logits = (h @ weight.t()).float()  # in the inputs' dtype, as autocast's linear, then fp32 as the plain loss
+    real = torch.arange(logits.shape[-1], device=logits.device) < vocab
+    if logits.shape[-1] > vocab:  # the padded rows of the output matrix: no token's logit
+        logits = torch.where(real, logits, float("-inf"))
     keep = y != IGNORED
     safe = torch.where(keep, y, 0)
     lse = torch.logsumexp(logits, dim=-1)
     nll = lse - logits.gather(1, safe.unsqueeze(1)).squeeze(1)
-    loss = nll if smoothing == 0 else (1 - smoothing) * nll + smoothing * (lse - logits.mean(-1))
+    if smoothing:
+        mean = logits[:, :vocab].mean(-1)
+        loss = (1 - smoothing) * nll + smoothing * (lse - mean)
+    else:
+        loss = nll
     total = torch.where(keep, loss, 0).sum()
     if not grads:
         return total, None
     g = torch.softmax(logits, dim=-1)  # d loss / d logits = softmax - (1 - e) onehot - e / V
     if smoothing:
-        g -= smoothing / logits.shape[-1]
+        g -= torch.where(real, smoothing / vocab, 0.0)
     g.scatter_add_(1, safe.unsqueeze(1), torch.full_like(g[:, :1], -(1 - smoothing)))
     g *= keep.unsqueeze(1)
     return total, g
@@ -60,13 +76,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunks: int, smoothing: float,
                 grads: bool, weight_grad: bool, compile_backend: str | None):  # fmt: skip
         chunk = _chunk_fn(compile_backend)
+        vocab = weight.shape[0]
+        if vocab % VOCAB_ALIGN:  # zero rows: aligned products (the module's docstring)
+            weight = F.pad(weight, (0, 0, 0, -vocab % VOCAB_ALIGN))
         total = torch.zeros((), device=h.device, dtype=torch.float32)
         grad_h = torch.empty_like(h) if grads else None
         # a frozen output layer (adapters train the rest): no gradient of it to compute or keep
         grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if grads and weight_grad else None
         start = 0
         for hc, yc in zip(h.chunk(chunks), y.chunk(chunks)):
-            part, g = chunk(hc, weight, yc, smoothing, grads)
+            part, g = chunk(hc, weight, yc, smoothing, grads, vocab)
             total += part
             if grads:
                 g = g.to(h.dtype)
@@ -78,7 +97,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                         grad_w += (g.t() @ hc).float()
             start += hc.shape[0]
         if grads:
-            ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
+            ctx.save_for_backward(grad_h, grad_w[:vocab].to(weight.dtype) if grad_w is not None else None)
         return total
 
     @staticmethod

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import os
 import re
 
 import torch
@@ -29,6 +30,12 @@ EVERY_MODE_S = 60.0
 # torch's message: "CUDA out of memory. Tried to allocate 1.96 GiB. GPU 0 has a total capacity of ..."
 _TRIED = re.compile(r"Tried to allocate (\d+(?:\.\d+)?) (B|KiB|MiB|GiB|TiB)")
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_SIZE = r"(\d+(?:\.\d+)?) (B|KiB|MiB|GiB|TiB)"
+# "... this process has 79.17 GiB memory in use. Of the allocated memory 74.89 GiB is allocated by PyTorch,
+# and 2.20 GiB is reserved by PyTorch but unallocated."
+_IN_USE = re.compile(rf"this process has {_SIZE} memory in use")
+_BY_TORCH = re.compile(rf"{_SIZE} is allocated by PyTorch")
+_UNALLOCATED = re.compile(rf"{_SIZE} is reserved by PyTorch but unallocated")
 
 
 class OutOfMemory(DistlibError):
@@ -39,6 +46,28 @@ def tried_bytes(e: BaseException) -> int | None:
     """The allocation that failed, as torch's message gives it; None when it does not."""
     m = _TRIED.search(str(e))
     return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
+
+
+def _bytes(pattern: re.Pattern[str], text: str) -> int | None:
+    m = pattern.search(text)
+    return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
+
+
+def uncounted(e: BaseException) -> str:
+    """What torch's message says lay outside the tensors when the allocation failed, in the terms of
+    the plan's margin: the allocator's reserve that no tensor used (fragmentation; what
+    ``expandable_segments`` gives back) and the process's memory outside the allocator (the CUDA
+    context, NCCL's and cuBLAS's buffers); "" when the message does not give them."""
+    text = str(e)
+    in_use, by_torch, unallocated = (_bytes(p, text) for p in (_IN_USE, _BY_TORCH, _UNALLOCATED))
+    if unallocated is None:
+        return ""
+    out = f"; of the rest, {size(unallocated)} was reserved by torch's allocator but not in use"
+    if unallocated >= 2**30 and "expandable_segments" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        out += " (fragmentation: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True gives it back)"
+    if in_use is not None and by_torch is not None:
+        out += f" and {size(max(0, in_use - by_torch - unallocated))} was outside it (CUDA context, NCCL, cuBLAS)"
+    return out
 
 
 def every_mode(cfg: Config, plan: MemoryPlan, timeout_s: float = EVERY_MODE_S) -> MemoryPlan:
@@ -69,6 +98,7 @@ def out_of_memory(e: BaseException, *, where: str, rank: int, device: torch.devi
         reached = f"; it reached {size(torch.cuda.max_memory_allocated(device))} allocated"
         reached += f" and asked for {size(tried)} more" if tried else ""
         reached += f" of the GPU's {size(total)}"
+    reached += uncounted(e)
     said = ""
     advice = ("; python -m distlib.runner.plan RECIPE --nproc N shows what fits (train.activation_checkpointing, "
               "dist.shard, a smaller train.batch_size, more ranks)")  # fmt: skip
