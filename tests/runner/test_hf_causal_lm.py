@@ -343,6 +343,48 @@ def test_flops_per_token_count_the_matrix_products_as_the_gpt_does():
     assert tied.num_params(embeddings=False) == tied.num_params()
 
 
+@pytest.mark.parametrize(("model_type", "vocab"), [("gpt2", 301), ("llama", 301), ("llama", 256)])
+def test_an_odd_vocabulary_has_its_output_product_padded_and_the_same_logits_and_gradients(model_type, vocab):
+    """GPT-2's 50257 (301 here): the output layer's product runs on its matrix padded to a multiple of
+    64 (384), where cuBLAS's fast kernels apply; the logits and every gradient are transformers' own.
+    A vocabulary already aligned (256) is used as it is."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from distlib.runner.models.hf_causal_lm import hf_causal_lm
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.widths: set[int] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+                self.widths |= {*args[-2].shape, *args[-1].shape}
+            return func(*args, **(kwargs or {}))
+
+    config = {**TINY, "vocab_size": vocab, "tie_word_embeddings": False}
+    if model_type == "gpt2":
+        config = dict(model_type="gpt2", vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    torch.manual_seed(5)
+    model = hf_causal_lm(config=config)
+    x = torch.randint(0, vocab, (3, 16), generator=torch.Generator().manual_seed(1))
+    with Products() as seen:
+        logits = model(x)
+    assert model.pads_logits == (vocab % 64 != 0)
+    padded = -(-vocab // 64) * 64
+    assert padded in seen.widths and (vocab == padded or vocab not in seen.widths), seen.widths
+    want = model.hf(input_ids=x, use_cache=False).logits
+    assert logits.shape == want.shape == (3, 16, vocab)
+    assert torch.allclose(logits, want, atol=1e-6, rtol=0)
+    y = torch.randint(0, vocab, (3, 16), generator=torch.Generator().manual_seed(2))
+    params = [p for p in model.parameters() if p.requires_grad]
+    got = torch.autograd.grad(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()), params)
+    ref = torch.autograd.grad(torch.nn.functional.cross_entropy(want.flatten(0, 1), y.flatten()), params)
+    for p, a, b in zip(params, got, ref):
+        assert a.shape == p.shape and torch.allclose(a, b, atol=1e-6, rtol=0)
+
+
 def test_its_forward_makes_no_attention_mask_where_transformers_cannot_read_the_positions():
     """transformers looks for packed rows in the position ids of every forward given no mask; where it
     cannot read values (fake tensors here; torch.compile and CUDA-graph capture alike) it assumes
