@@ -343,11 +343,12 @@ def test_flops_per_token_count_the_matrix_products_as_the_gpt_does():
     assert tied.num_params(embeddings=False) == tied.num_params()
 
 
-@pytest.mark.parametrize(("model_type", "vocab"), [("gpt2", 301), ("llama", 301), ("llama", 256)])
+@pytest.mark.parametrize(("model_type", "vocab"), [("gpt2", 301), ("llama", 301), ("granite", 301), ("llama", 256)])
 def test_an_odd_vocabulary_has_its_output_product_padded_and_the_same_logits_and_gradients(model_type, vocab):
     """GPT-2's 50257 (301 here): the output layer's product runs on its matrix padded to a multiple of
-    64 (384), where cuBLAS's fast kernels apply; the logits and every gradient are transformers' own.
-    A vocabulary already aligned (256) is used as it is."""
+    64 (384), where cuBLAS's fast kernels apply; the logits and every gradient are transformers' own
+    (Granite's divided by its logits_scaling, tied to its embedding). A vocabulary already aligned
+    (256) is used as it is."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from distlib.runner.models.hf_causal_lm import hf_causal_lm
@@ -363,6 +364,10 @@ def test_an_odd_vocabulary_has_its_output_product_padded_and_the_same_logits_and
             return func(*args, **(kwargs or {}))
 
     config = {**TINY, "vocab_size": vocab, "tie_word_embeddings": False}
+    if model_type == "granite":
+        config = {**TINY, "model_type": "granite", "vocab_size": vocab, "logits_scaling": 8.0,
+                  "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.015625,
+                  "tie_word_embeddings": True}  # fmt: skip
     if model_type == "gpt2":
         config = dict(model_type="gpt2", vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip

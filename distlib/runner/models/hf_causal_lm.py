@@ -230,8 +230,18 @@ def _skip_packing_detection_in_own_calls() -> None:
 
 def _plain_logits(config: Any) -> bool:
     """Whether the causal-LM class's logits are its output layer's product and nothing more."""
-    return not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale", "output_multiplier")) \
-        and getattr(config, "logits_scaling", 1) in (None, 1)  # fmt: skip
+    return _scaled_product(config) and _logits_divisor(config) is None
+
+
+def _scaled_product(config: Any) -> bool:
+    """Whether the logits are the output layer's product, divided by ``_logits_divisor`` at most."""
+    return not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale", "output_multiplier"))
+
+
+def _logits_divisor(config: Any) -> float | None:
+    """Granite's ``logits_scaling``: its causal-LM classes divide the product by it; None for 1 or none."""
+    value = getattr(config, "logits_scaling", None)
+    return None if value in (None, 1) else float(value)
 
 
 VOCAB_ALIGN = 64  # an output layer's rows padded to a multiple of this for its product (as nanoGPT's 50304)
@@ -282,7 +292,13 @@ class HFCausalLM(nn.Module):
         # the plain loss's logits through _aligned_logits where the vocabulary is odd-sized
         weight = getattr(hf.get_output_embeddings(), "weight", None)
         odd = isinstance(weight, torch.Tensor) and weight.shape[0] % VOCAB_ALIGN != 0
-        self.pads_logits = self.takes_head and odd and getattr(hf.get_output_embeddings(), "bias", None) is None
+        self.logits_divisor = _logits_divisor(c)  # applied after the padded product, as transformers does
+        self.pads_logits = (
+            self.aux_loss_coef is None
+            and _scaled_product(c)
+            and odd
+            and getattr(hf.get_output_embeddings(), "bias", None) is None
+        )
         _skip_packing_detection_in_own_calls()
 
     def forward(
@@ -312,7 +328,8 @@ class HFCausalLM(nn.Module):
             if self.pads_logits and isinstance(layer, nn.Linear) and layer.bias is None:
                 base = getattr(self.hf, self.hf.base_model_prefix)
                 hidden = base(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
-                return _aligned_logits(hidden, layer)
+                logits = _aligned_logits(hidden, layer)
+                return logits if self.logits_divisor is None else logits / self.logits_divisor
             if self.aux_loss_coef is not None and self.training:
                 out = self.hf(input_ids=input_ids, use_cache=False, output_router_logits=True, **kwargs)
                 return out.logits, out.aux_loss
