@@ -19,24 +19,28 @@ class EMA(nn.Module):
 
     ``state_dict`` holds the averaged module's tensors (``module.*``, as ``AveragedModel``'s does);
     the decay is a setting, not state. Non-floating buffers (BatchNorm's ``num_batches_tracked``) are copied.
+    Parameters frozen when the EMA is made (``requires_grad=False``: a pretrained base under
+    adapters) are the model's own in ``module``, not copies: the optimizer never changes them, so
+    their average is themselves, and a copy would double the memory of the frozen base.
     """
 
     def __init__(self, model: nn.Module, decay: float):
         super().__init__()
         _check_decay(decay)
-        self.module = copy.deepcopy(model)
+        frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
+        self.module = copy.deepcopy(model, memo=dict(frozen))  # deepcopy takes what its memo holds as is
         self.module.requires_grad_(False)
         ema_t = [*self.module.parameters(), *self.module.buffers()]
         model_t = [*model.parameters(), *model.buffers()]
         if len(ema_t) != len(model_t):
             raise ValueError("EMA: the model's parameters or buffers changed after the EMA was built")
-        floats = [(e, m) for e, m in zip(ema_t, model_t) if e.is_floating_point()]
+        floats = [(e, m) for e, m in zip(ema_t, model_t) if e.is_floating_point() and e is not m]
         self._ema = [e for e, _ in floats]
         # the model's own tensors, not detached aliases: an alias keeps the storage it was made from, so
         # the average would stay on the old weights once they move (``param.data = ...``: the sharded
         # optimizer moves every parameter into its flat buffer); update() runs without grad anyway
         self._src = [m for _, m in floats]
-        self._copied = [(e, m) for e, m in zip(ema_t, model_t) if not e.is_floating_point()]
+        self._copied = [(e, m) for e, m in zip(ema_t, model_t) if not e.is_floating_point() and e is not m]
         device = self._ema[0].device if self._ema else torch.device("cpu")
         self.decay = float(decay)
         self._weight = torch.tensor(1.0 - self.decay, dtype=torch.float32, device=device)

@@ -85,6 +85,34 @@ def _ema_before_the_sharded_optimizer(ctx, steps: int) -> tuple[float, float]:
     return diff, moved
 
 
+def test_frozen_parameters_are_shared_not_copied_and_the_rest_averaged_as_before():
+    """A model whose first layer is frozen (a pretrained base under adapters): the EMA's frozen
+    parameters are the model's own tensors (no second copy), the trained ones averaged exactly as
+    torch's AveragedModel averages them, BatchNorm's buffers too."""
+    torch.manual_seed(3)
+    model = _net()
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    ref = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.7), use_buffers=True)
+    ema = distlib.EMA(model, decay=0.0)
+    assert ema.module[0].weight is model[0].weight and ema.module[0].bias is model[0].bias
+    assert ema.module[4].weight is not model[4].weight  # trained: its own copy
+    frozen = {p.data_ptr() for p in model[0].parameters()}
+    assert not frozen & {p.data_ptr() for m in (ema.module[1], ema.module[4]) for p in m.parameters()}
+    for i in range(5):
+        x, y = _batch(10 + i, "cpu")
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.update_parameters(model)
+        ema.update()
+        ema.set_decay(0.7)
+    for a, b in zip(_float_state(ema.module), _float_state(ref.module)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert (ema.module[4].weight - model[4].weight).abs().max() > 1e-3  # averaged, not the model's
+    assert not any(p.requires_grad for p in ema.module.parameters() if p not in set(model[0].parameters()))
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_an_average_made_before_the_sharded_optimizer_follows_the_weights_it_moves(world):
     """The sharded optimizer moves every parameter into its flat buffer (``param.data = ...``); the
