@@ -696,9 +696,11 @@ def measure_step(
             opt = torch.optim.SGD(stepped, lr=1e-3, momentum=spec.momentum, nesterov=nesterov, fused=fused or None,
                                   foreach=None if fused else True)  # fmt: skip
 
-        # train.ema: distlib.EMA's average, a copy of every floating parameter and buffer (with the
-        # parameters: the warm-up and the checkpoint copy it too), updated after each optimizer step
-        averaged = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()] if spec.ema else []
+        # train.ema: distlib.EMA's average, a copy of every floating parameter and buffer but the frozen
+        # parameters, which it shares (with the parameters: the warm-up and the checkpoint copy it too),
+        # updated after each optimizer step
+        tensors = [*(p for p in model.parameters() if p.requires_grad), *model.buffers()]
+        averaged = [t for t in tensors if t.is_floating_point()] if spec.ema else []
         average = [torch.empty_like(t) for t in averaged]
         ledger.hold(average, "parameters")
 
