@@ -306,6 +306,29 @@ def test_the_plan_counts_no_gradient_nor_optimizer_state_for_the_frozen_base(fol
     assert mode.staging == 4 * trained + buffers + lora.parts["optimizer state"]
 
 
+def test_the_weight_average_of_a_lora_run_holds_the_adapters_not_the_base(folder, tmp_path, world_size_1):  # noqa: F811
+    """train.ema with adapters: distlib.EMA shares the frozen base (no copy of it), and the plan counts
+    the average of the adapters and the buffers alone."""
+    from distlib.runner.training.memory_plan import measure_step, step_spec
+
+    root, _ = folder
+    held = {}
+    for ema in ("0", "0.99"):
+        cfg = load_config(recipe(root, str(tmp_path / ema), {"pretrained": str(root / "tiny"), "lora": SUBSET}),
+                          ["train.precision=bf16", "dist.shard=none", f"train.ema={ema}"])  # fmt: skip
+        spec = step_spec(cfg)
+        model = spec.build()
+        held[ema] = measure_step(spec, shard="none", world_size=1, batch=2, checkpointing="none", precision="bf16")
+    trained = [p for p in model.parameters() if p.requires_grad]
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers() if b.is_floating_point())
+    assert held["0.99"].parts["parameters"] - held["0"].parts["parameters"] == 4 * sum(
+        p.numel() for p in trained) + buffers  # fmt: skip
+    average = distlib.EMA(model, 0.99)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    shared = {id(p) for p in average.module.parameters()}
+    assert all(id(p) in shared for p in frozen) and not any(id(p) in shared for p in trained)
+
+
 def test_with_a_compute_dtype_the_frozen_base_is_built_one_parameter_at_a_time(tmp_path, monkeypatch):
     """Where the compute dtype is bf16 (a GPU; patched here on the CPU), the runner builds a LoRA model
     through ``build_converted``, never holding the base in fp32: the same weights, dtypes and random
