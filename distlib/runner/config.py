@@ -86,9 +86,7 @@ class TrainConfig:
     fp8_layers: Literal["auto", "all"] = "auto"  # fp8: auto: the blocks' Linears large enough to gain; all: every one
     clip_grad_norm: float = 0.0  # clip the global gradient norm (after averaging) to this; 0 = off
     grad_accum: int = 1  # micro-steps per optimizer step (communication only on the last)
-    # decay of a per-step average of the weights (ramped up early, in the graph; frozen weights are shared, not
-    # copied); 0 = off
-    ema: float = 0.0
+    ema: float = 0.0  # decay of a per-step average of the weights (ramped up early; frozen ones shared); 0 = off
     eval_every: int = 1  # evaluate every N epochs (0 = at no epoch's end); the run's last step always
     eval_every_steps: int = 0  # also evaluate every N optimizer steps (global), mid-epoch too; 0 = off
     tta: bool = True  # flip test-time augmentation in the final evaluation
