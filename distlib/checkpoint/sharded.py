@@ -290,17 +290,34 @@ def _keeps_frozen(module: nn.Module, frozen: bool) -> bool:
     return frozen or not any(p.requires_grad for p in module.parameters())
 
 
+def _shared_frozen(objects: Mapping[str, Any], frozen: bool) -> set[int]:
+    """Without ``frozen``: the frozen parameters of the modules that train others, which a module that
+    trains none (``distlib.EMA``'s average) shares with them; left out of its state as of theirs."""
+    if frozen:
+        return set()
+    modules = [o for o in objects.values() if isinstance(o, nn.Module)]
+    return {id(p) for m in modules if any(q.requires_grad for q in m.parameters())
+            for p in m.parameters() if not p.requires_grad}  # fmt: skip
+
+
+def _shared_names(module: nn.Module, shared: set[int]) -> set[str]:
+    return {_plain(n) for n, p in module.named_parameters(remove_duplicate=False) if id(p) in shared}
+
+
 def _state_dicts(objects: Mapping[str, Any], frozen: bool = True) -> dict[str, Any]:
     """What DCP saves or loads into, per object: modules and optimizers through DCP's state_dict helpers
     (FSDP2 DTensors stay sharded, optimizer state is keyed by parameter name; ``frozen=False``: a module's
     parameters that do not require grad left out), plain dicts as they are, anything else its ``state_dict()``."""
     out: dict[str, Any] = {}
+    shared = _shared_frozen(objects, frozen)
     for name, obj in objects.items():
         if isinstance(obj, nn.Module):
             keep = _keeps_frozen(obj, frozen)
             out[name] = get_model_state_dict(obj, options=_model_options(keep))
-            if not keep:  # DCP leaves out one name of each; a tied frozen weight's other names too
-                drop = _frozen_names(obj)
+            # DCP leaves out one name of each; a tied frozen weight's other names too, and what an
+            # average shares with a model
+            drop = _frozen_names(obj) if not keep else _shared_names(obj, shared)
+            if drop:
                 out[name] = {k: v for k, v in out[name].items() if _plain(k) not in drop}
         elif (model := _owner(obj, objects)) is not None:
             out[name] = get_optimizer_state_dict(model, obj)
@@ -319,10 +336,15 @@ def _state_dicts(objects: Mapping[str, Any], frozen: bool = True) -> dict[str, A
 def _load_into(objects: Mapping[str, Any], states: Mapping[str, Any], frozen: bool = True) -> None:
     # the modules first: a ShardedOptimizer whose checkpoint has no fp32 masters (a plain optimizer's)
     # takes them from its parameters
+    shared = _shared_frozen(objects, frozen)
     for name, obj in sorted(objects.items(), key=lambda item: not isinstance(item[1], nn.Module)):
         state = states[name]
         if isinstance(obj, nn.Module):
-            set_model_state_dict(obj, state, options=_model_options(_keeps_frozen(obj, frozen)))
+            options = _model_options(_keeps_frozen(obj, frozen))
+            if _keeps_frozen(obj, frozen) and _shared_names(obj, shared):
+                # an average's shared frozen parameters are the model's, rebuilt with it: not in the state
+                options = StateDictOptions(strict=False)
+            set_model_state_dict(obj, state, options=options)
         elif (model := _owner(obj, objects)) is not None:
             set_optimizer_state_dict(model, obj, state)
         elif isinstance(obj, dict):

@@ -115,35 +115,44 @@ def test_every_shard_mode_trains_the_same_adapters_step_by_step(folder, tmp_path
         assert ref["losses"][-1] != ref["losses"][0]
 
 
-def _two_epochs(ctx, root: str, out: str, shard: str) -> list[dict]:
+def _two_epochs(ctx, root: str, out: str, shard: str, ema: float = 0.0) -> list[dict]:
     from pathlib import Path
 
     args = {"pretrained": os.path.join(root, "tiny"), "lora": SUBSET}
-    cfg = load_config(recipe(Path(root), out, args, epochs=2), [f"dist.shard={shard}", "run.checkpoint_every=1"])
+    cfg = load_config(recipe(Path(root), out, args, epochs=2),
+                      [f"dist.shard={shard}", "run.checkpoint_every=1", f"train.ema={ema}"])  # fmt: skip
     with built(cfg, ctx) as trainer:
         assert trainer.fit() == 0
     return metrics(out) if ctx.is_main else []
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "full"])
-def test_a_resumed_lora_run_ends_as_the_uninterrupted_one_and_its_checkpoints_hold_no_base(folder, tmp_path, shard):  # noqa: F811
+@pytest.mark.parametrize(("shard", "ema"), [("optimizer", 0.0), ("full", 0.0), ("optimizer", 0.9)])
+def test_a_resumed_lora_run_ends_as_the_uninterrupted_one_and_its_checkpoints_hold_no_base(
+    folder,  # noqa: F811
+    tmp_path,
+    shard,
+    ema,
+):
     """Two epochs at two ranks; the checkpoints hold the adapters and their optimizer state, not the
-    frozen base; the last one removed, the run again resumes after epoch 1 (the base read from the
-    folder again) and its rows equal the uninterrupted run's exactly."""
+    frozen base (nor, with train.ema, the average's, which shares the base); the last one removed, the
+    run again resumes after epoch 1 (the base read from the folder again) and its rows equal the
+    uninterrupted run's exactly."""
     import torch.distributed.checkpoint as dcp
 
     root, _ = folder
     out = str(tmp_path / "run")
-    ref = run_ranks(_two_epochs, 2, str(root), out, shard, timeout=300)[0]
+    ref = run_ranks(_two_epochs, 2, str(root), out, shard, ema, timeout=300)[0]
     saved = checkpoints(out)
     assert len(saved) == 2
     meta = dcp.FileSystemReader(os.path.join(out, "checkpoints", saved[-1])).read_metadata().state_dict_metadata
     model_keys = [k for k in meta if k.startswith("model.")]
     assert model_keys and all(_adapter(k) for k in model_keys), [k for k in model_keys if not _adapter(k)]
+    averaged = [k for k in meta if k.startswith("ema.") and k.endswith("weight")]
+    assert bool(averaged) == (ema > 0) and all(_adapter(k) for k in averaged), averaged
     assert any(k.startswith("optimizer.state.") and _adapter(k) for k in meta)
     assert not any(k.startswith("optimizer.state.") and not _adapter(k) for k in meta)
     shutil.rmtree(os.path.join(out, "checkpoints", saved[-1]))
-    again = run_ranks(_two_epochs, 2, str(root), out, shard, timeout=300)[0]
+    again = run_ranks(_two_epochs, 2, str(root), out, shard, ema, timeout=300)[0]
     keys = ("epoch", "train_loss", "val_loss")
     assert [{k: r[k] for k in keys} for r in again] == [{k: r[k] for k in keys} for r in ref]
 

@@ -72,6 +72,26 @@ def test_every_module_given_is_put_back_the_weight_average_too():
         assert torch.equal(ema_a[name], ema_b[name]), f"the average's {name}"
 
 
+def test_a_frozen_base_shared_with_the_weight_average_is_not_copied():
+    """A model whose first layer is frozen (a LoRA base) and its EMA, which shares that layer: the
+    warm-up copies the trained layer, the BatchNorm buffers and the average's own tensors, never the
+    frozen layer (no step changes it), and puts everything back."""
+    from distlib.runner.training.warmup import _snapshot
+
+    model, opt, _ = _setup()
+    model[0].requires_grad_(False)
+    ema = distlib.EMA(model, decay=0.5)
+    copied = {id(t) for t, _ in _snapshot([model, ema.module])}
+    assert not copied & {id(p) for p in model[0].parameters()}
+    assert {id(p) for p in (*model[3].parameters(), *ema.module[3].parameters())} <= copied
+    assert {id(b) for b in (*model[1].buffers(), *ema.module[1].buffers())} <= copied
+    before = {k: v.clone() for k, v in ema.module.state_dict().items()}
+    junk = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    warm_up(lambda: (_step(model, opt, *junk), ema.update()), [model, ema.module], opt, steps=2)
+    for k, v in ema.module.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
 def _sharded(ctx):
     """A model, GradSync(shard="optimizer") and its AdamW (the optimizer state lives in the inner optimizer)."""
     torch.manual_seed(0)

@@ -20,12 +20,13 @@ def _snapshot(modules: list[nn.Module]) -> list[tuple[torch.Tensor, torch.Tensor
     """Every tensor a step may change: the buffers, and the parameters, but for the frozen ones
     (``requires_grad=False``) of a module that trains others (a LoRA model's base: no step changes
     it). A module none of whose parameters trains (a weight average, moved outside autograd) is
-    copied whole."""
+    copied whole, but for those frozen parameters, which it shares (``distlib.EMA``)."""
+    trains = [any(p.requires_grad for p in m.parameters()) for m in modules]
+    frozen = {id(p) for m, t in zip(modules, trains) if t for p in m.parameters() if not p.requires_grad}
     out = []
-    for m in modules:
-        trains = any(p.requires_grad for p in m.parameters())
-        params = [p for p in m.parameters() if p.requires_grad or not trains]
-        out += [(t, t.detach().clone()) for t in itertools.chain(params, m.buffers())]
+    for m, t in zip(modules, trains):
+        params = [p for p in m.parameters() if (p.requires_grad or not t) and id(p) not in frozen]
+        out += [(x, x.detach().clone()) for x in itertools.chain(params, m.buffers())]
     return out
 
 
