@@ -21,7 +21,8 @@ class EMA(nn.Module):
     the decay is a setting, not state. Non-floating buffers (BatchNorm's ``num_batches_tracked``) are copied.
     Parameters frozen when the EMA is made (``requires_grad=False``: a pretrained base under
     adapters) are the model's own in ``module``, not copies: the optimizer never changes them, so
-    their average is themselves, and a copy would double the memory of the frozen base.
+    their average is themselves, and a copy would double the memory of the frozen base. One unfrozen
+    later stays shared: the average then follows its current value.
     """
 
     def __init__(self, model: nn.Module, decay: float):
