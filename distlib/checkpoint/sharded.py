@@ -340,8 +340,9 @@ def _load_into(objects: Mapping[str, Any], states: Mapping[str, Any], frozen: bo
     for name, obj in sorted(objects.items(), key=lambda item: not isinstance(item[1], nn.Module)):
         state = states[name]
         if isinstance(obj, nn.Module):
-            options = _model_options(_keeps_frozen(obj, frozen))
-            if _keeps_frozen(obj, frozen) and _shared_names(obj, shared):
+            keep = _keeps_frozen(obj, frozen)
+            options = _model_options(keep)
+            if keep and _shared_names(obj, shared):
                 # an average's shared frozen parameters are the model's, rebuilt with it: not in the state
                 options = StateDictOptions(strict=False)
             set_model_state_dict(obj, state, options=options)

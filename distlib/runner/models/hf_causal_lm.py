@@ -289,15 +289,16 @@ class HFCausalLM(nn.Module):
         # the logits are the output layer's product alone (no soft-capping or scaling after it) and
         # no load-balancing loss needs the causal-LM class's own forward
         self.takes_head = self.aux_loss_coef is None and _plain_logits(c) and hf.get_output_embeddings() is not None
-        # the plain loss's logits through _aligned_logits where the vocabulary is odd-sized
-        weight = getattr(hf.get_output_embeddings(), "weight", None)
-        odd = isinstance(weight, torch.Tensor) and weight.shape[0] % VOCAB_ALIGN != 0
+        # the plain loss's logits through _aligned_logits where a bias-free output layer has an odd-sized
+        # vocabulary (an adapter on it, peft's layer, is applied whole; float8 leaves it as it is)
+        out = hf.get_output_embeddings()
         self.logits_divisor = _logits_divisor(c)  # applied after the padded product, as transformers does
         self.pads_logits = (
             self.aux_loss_coef is None
             and _scaled_product(c)
-            and odd
-            and getattr(hf.get_output_embeddings(), "bias", None) is None
+            and isinstance(out, nn.Linear)
+            and out.bias is None
+            and out.weight.shape[0] % VOCAB_ALIGN != 0
         )
         _skip_packing_detection_in_own_calls()
 
@@ -320,14 +321,13 @@ class HFCausalLM(nn.Module):
             _OwnPositions.depth += 1  # the model makes positions 0..T-1 itself: no packed rows
         kwargs = {} if own else {"position_ids": position_ids}
         try:
-            layer = self.hf.get_output_embeddings()
-            if head is not None and self.takes_head:
+            applies_head = head is not None and self.takes_head
+            if applies_head or self.pads_logits:  # the output layer applied here, to the last hidden states
                 base = getattr(self.hf, self.hf.base_model_prefix)
                 hidden = base(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
-                return head(hidden, layer)
-            if self.pads_logits and isinstance(layer, nn.Linear) and layer.bias is None:
-                base = getattr(self.hf, self.hf.base_model_prefix)
-                hidden = base(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
+                layer = self.hf.get_output_embeddings()
+                if applies_head:
+                    return head(hidden, layer)
                 logits = _aligned_logits(hidden, layer)
                 return logits if self.logits_divisor is None else logits / self.logits_divisor
             if self.aux_loss_coef is not None and self.training:
