@@ -97,6 +97,7 @@ class TrainConfig:
     compile_backend: str = "inductor"  # torch.compile's backend (aot_eager: no code generation, for checks)
     activation_checkpointing: Literal["none", "full", "selective"] = "none"  # recompute in backward; true: full
     prewarm_steps: int = 5  # on a GPU: steps run, then undone, before the clock (autotuning, graph capture)
+    prewarm_eval: bool = True  # on a GPU: one evaluation in the warm-up (its compile); false: at the first evaluation
     cudnn_benchmark: bool = True  # on a GPU: cuDNN tries its algorithms for each convolution (in the warm-up)
     task: Literal["auto", "classification", "causal_lm"] = "auto"  # auto: causal_lm for text/token data or an LM model
     peak_tflops: float = 0.0  # dense bf16 TFLOP/s of one GPU for MFU; 0 = from the GPU's name (none on a CPU)

@@ -160,6 +160,29 @@ def test_the_warm_up_runs_the_first_and_the_last_evaluation_batch_not_the_whole_
     assert warm == [sizes[0], sizes[-1]], (warm, sizes)
 
 
+@pytest.mark.parametrize("prewarm_eval", [True, False])
+def test_the_warm_up_evaluates_unless_told_to_leave_it_to_the_first_evaluation(
+    tmp_path, world_size_1, monkeypatch, prewarm_eval
+):
+    """train.prewarm_eval=false: the warm-up runs its training steps and no evaluation (the first
+    evaluation compiles instead), and still puts the weights back; true: one evaluation too."""
+    gpt = os.path.join(ROOT, "recipes", "gpt_demo.yaml")
+    cfg = load_config(gpt, ["data.train_subset=64", "model.args.n_layer=1", "model.args.n_embd=32",
+                            "model.args.n_head=2", "train.batch_size=8", "train.prewarm_steps=3",
+                            f"train.prewarm_eval={str(prewarm_eval).lower()}",
+                            f"run.out_dir={tmp_path / 'out'}"])  # fmt: skip
+    with built(cfg, distlib.init("gloo")) as trainer:  # on the CPU: no warm-up in the build
+        calls: list[str] = []
+        evaluate = trainer.task.warm_up_evaluate
+        monkeypatch.setattr(trainer.task, "warm_up_evaluate", lambda *a: (calls.append("eval"), evaluate(*a)))
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("sync"))  # the warm-up's, on a CPU
+        before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        trainer.warm_up()
+        after = trainer.model.state_dict()
+    assert calls == (["sync", "eval", "sync"] if prewarm_eval else ["sync"]), calls
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
 @pytest.mark.gpus(1)
 def test_a_step_taken_after_the_build_outside_an_epoch_keeps_its_loss_on_the_gpu(tmp_path, world_size_1):
     """``train_step`` right after ``build``, as the benchmarks time it: the loss it adds to the train
@@ -346,7 +369,7 @@ def test_error_lines_of_ranks_failing_at_once_stay_whole(capfd, monkeypatch):
 
 def test_a_checkpoint_must_match_every_key_but_the_documented_free_ones():
     """docs/reliability.md: the model, the loss, train.* (except eval_every, tta, tta_translate,
-    cuda_graph, prewarm_steps, cudnn_benchmark, compile, compile_backend, activation_checkpointing,
+    cuda_graph, prewarm_steps, prewarm_eval, cudnn_benchmark, compile, compile_backend, activation_checkpointing,
     peak_tflops, sample_tokens, fp8_recipe, fp8_layers, model.block_class, loss.chunks (the same
     loss and gradients), and the budget: epochs, max_steps, eval_every_steps), data.name, data.args,
     data.augment.* and data.train_subset
@@ -357,8 +380,8 @@ def test_a_checkpoint_must_match_every_key_but_the_documented_free_ones():
     from distlib.runner.training.trainer import resume_settings
 
     cfg = Config()
-    free = {"eval_every", "tta", "tta_translate", "cuda_graph", "prewarm_steps", "cudnn_benchmark", "compile",
-            "peak_tflops", "sample_tokens", "epochs", "max_steps", "eval_every_steps", "compile_backend",
+    free = {"eval_every", "tta", "tta_translate", "cuda_graph", "prewarm_steps", "prewarm_eval", "cudnn_benchmark",
+            "compile", "peak_tflops", "sample_tokens", "epochs", "max_steps", "eval_every_steps", "compile_backend",
             "activation_checkpointing", "fp8_recipe", "fp8_layers"}  # fmt: skip
     expected = {f"model.{f.name}" for f in dataclasses.fields(cfg.model) if f.name != "block_class"}
     expected |= {f"loss.{f.name}" for f in dataclasses.fields(cfg.loss) if f.name != "chunks"}

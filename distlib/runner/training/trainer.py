@@ -63,7 +63,7 @@ from distlib.runner.training.step import TrainStep, build_step
 # train.max_steps) the resumed run recomputes its schedule over the new total and says so
 _RESUME_FREE = {
     "train.eval_every", "train.tta", "train.tta_translate", "train.cuda_graph", "train.prewarm_steps",
-    "train.cudnn_benchmark", "train.compile", "train.peak_tflops", "train.sample_tokens",
+    "train.prewarm_eval", "train.cudnn_benchmark", "train.compile", "train.peak_tflops", "train.sample_tokens",
     "train.epochs", "train.max_steps", "train.eval_every_steps",
     "train.activation_checkpointing", "train.compile_backend", "model.block_class",
     "train.fp8_recipe", "train.fp8_layers", "loss.chunks",
@@ -229,8 +229,9 @@ class Trainer:
         self.step_fn.warm_up(x, y, steps=self.cfg.train.prewarm_steps)
         torch.cuda.synchronize()
         self.timeline.mark("warmup")  # training steps: cuDNN autotuning, lazy set-up, graph capture
-        self.task.warm_up_evaluate(self.model, self.autocast)  # the final evaluation's kernels (tta) too
-        torch.cuda.synchronize()
+        if self.cfg.train.prewarm_eval:  # else the first evaluation compiles (its time holds it)
+            self.task.warm_up_evaluate(self.model, self.autocast)  # the final evaluation's kernels (tta) too
+            torch.cuda.synchronize()
 
     def resume(self) -> None:
         """Continue from the newest checkpoint in run.out_dir (a restart under torchrun
