@@ -5,20 +5,21 @@ checkpoints committed before intact; a run whose disk cannot hold even one check
 at its start, once, by rank 0, while there is still time to free space. The checkpoint's size is
 estimated from the model before the optimizer's first step has made its state: every tensor of the
 model at its global size (a sharded one's whole), the optimizer's state per parameter (AdamW: two
-fp32 tensors of its shape; SGD with momentum: one), the weight average's copy.
+tensors of its shape and dtype; SGD with momentum: one), the weight average's copy. The frozen
+parameters of a model that trains others (a LoRA model's base) are not counted: the checkpoints
+leave them out, the model rebuilds them at every start.
 """
 
 from __future__ import annotations
 
 import math
 
-import torch
 from torch import nn
 
 from distlib.checkpoint import disk
 from distlib.log import get_logger
 
-# optimizer state per parameter element, in fp32 elements: AdamW's two moments, SGD's momentum buffer
+# optimizer state per parameter element, in the parameter's dtype: AdamW's two moments, SGD's momentum buffer
 _STATE_PER_ELEMENT = {"adamw": 2, "sgd": 1}
 
 
@@ -26,12 +27,16 @@ def checkpoint_bytes(model: nn.Module, optimizer: str, *, momentum: float = 0.9,
                      weights_only: bool = False) -> int:  # fmt: skip
     """About the bytes of one checkpoint of ``model`` trained with ``optimizer`` (train.optimizer), over every
     rank. ``weights_only``: the model (and its average) alone (run.final_checkpoint=weights)."""
-    tensors = sum(math.prod(t.size()) * t.dtype.itemsize for t in model.state_dict().values())
+    # keep_vars: the parameters themselves, to tell the frozen ones by identity (a tied one has two names)
+    state = model.state_dict(keep_vars=True)
+    trains = any(p.requires_grad for p in model.parameters())
+    tensors = sum(math.prod(t.size()) * t.dtype.itemsize for t in state.values()
+                  if not (trains and isinstance(t, nn.Parameter) and not t.requires_grad))  # fmt: skip
     total = tensors * (2 if ema else 1)
     if not weights_only:
         per = _STATE_PER_ELEMENT.get(optimizer, 2) if optimizer != "sgd" or momentum else 0
-        trained = sum(math.prod(p.size()) for p in model.parameters() if p.requires_grad)
-        total += per * trained * torch.finfo(torch.float32).bits // 8
+        # torch's optimizers keep their state in the parameter's dtype (zeros_like)
+        total += per * sum(math.prod(p.size()) * p.dtype.itemsize for p in model.parameters() if p.requires_grad)
     return total
 
 
