@@ -237,7 +237,8 @@ def test_attention_is_the_fastest_the_family_allows_and_what_transformers_refuse
     text, tmp_path, monkeypatch
 ):
     """Built from a config: sdpa where the family supports it; where it soft-caps its scores (Gemma 2),
-    flex attention where a CUDA GPU is visible and eager on the CPU (flex has no backward there); an
+    flex attention where a CUDA GPU is visible and eager on the CPU (flex has no backward there); where
+    it has sliding-window layers (Gemma 3, a Qwen2 that uses its window), flex on a GPU, sdpa on the CPU; an
     implementation transformers refuses is a one-line error when the recipe is loaded (the model class
     built on the meta device), as is a config transformers cannot build."""
     from distlib.runner.models.hf_causal_lm import attention, build_config, hf_causal_lm
@@ -246,12 +247,19 @@ def test_attention_is_the_fastest_the_family_allows_and_what_transformers_refuse
     assert hf_causal_lm(config={"model_type": "gemma2", **FAMILIES["gemma2"]}).config._attn_implementation == "eager"
     gemma2_config = build_config({"model_type": "gemma2", **FAMILIES["gemma2"]})
     llama_config = build_config({"model_type": "llama", **SMALL})
+    gemma3_config = build_config({"model_type": "gemma3_text", **SMALL, "head_dim": 16, "sliding_window": 16})
     with monkeypatch.context() as m:
         m.setattr(torch.cuda, "is_available", lambda: True)
         assert attention(gemma2_config, "auto") == "flex_attention"
         assert attention(gemma2_config, None) == "flex_attention"
         assert attention(gemma2_config, "eager") == "eager"  # asked for: as given
         assert attention(llama_config, "auto") == "sdpa"
+        assert attention(gemma3_config, "auto") == "flex_attention"  # its sliding-window layers
+        assert attention(build_config({"model_type": "qwen2", **SMALL}), "auto") == "sdpa"  # no window used
+        windowed_qwen2 = build_config({"model_type": "qwen2", **SMALL, "use_sliding_window": True,
+                                       "sliding_window": 16, "max_window_layers": 1})  # fmt: skip
+        assert attention(windowed_qwen2, "auto") == "flex_attention"
+    assert attention(gemma3_config, "auto") == "sdpa"  # on the CPU: sdpa masks the window
     gemma2 = {"config": {"model_type": "gemma2", **FAMILIES["gemma2"]}}
     load_config(recipe(text.parent, str(tmp_path / "ok"), gemma2))
     for args, names in [

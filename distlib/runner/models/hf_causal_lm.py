@@ -163,11 +163,14 @@ def attention(hf_config: Any, requested: str | None = "auto") -> str:
     (Gemma 2's ``attn_logit_softcapping``) gets ``flex_attention`` where a CUDA GPU is visible: flex
     applies the soft-cap inside its kernel and keeps no (T x T) scores for the backward, which eager
     does (sdpa has no soft-capping: transformers 5.17 runs Gemma 2 under sdpa without it, later
-    releases refuse sdpa for it). On the CPU, where flex has no backward, it gets ``eager``. Anything
-    else (``eager``, ``flex_attention``, ...) as given."""
+    releases refuse sdpa for it). On the CPU, where flex has no backward, it gets ``eager``. A config
+    with sliding-window layers (Gemma 3's ``layer_types``) gets flex too on a GPU, where its class
+    supports it: flex skips the blocks of scores the window masks, sdpa computes them all and masks
+    them. Anything else (``eager``, ``flex_attention``, ...) as given."""
     if requested not in (None, "", "auto"):
         return requested
-    if getattr(hf_config.get_text_config(), "attn_logit_softcapping", None):
+    text = hf_config.get_text_config()
+    if getattr(text, "attn_logit_softcapping", None):
         return "flex_attention" if torch.cuda.is_available() else "eager"
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -175,6 +178,9 @@ def attention(hf_config: Any, requested: str | None = "auto") -> str:
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
     except KeyError:
         return "sdpa"
+    windowed = "sliding_attention" in (getattr(text, "layer_types", None) or ())
+    if windowed and torch.cuda.is_available() and getattr(cls, "_supports_flex_attn", False):
+        return "flex_attention"
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
