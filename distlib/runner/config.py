@@ -62,6 +62,9 @@ class LossConfig:
     # holding the whole logits (gpt, hf_causal_lm; docs/loss.md): less memory, a larger batch, but a
     # slower step at the same batch on a GPU; 0 = the plain loss (the output layer in the model)
     chunks: int = 0
+    # where the plain loss does not fit the GPU and the loss in 8 chunks does (the memory plan at launch),
+    # the run takes loss.chunks=8, said in its log, rather than stopping: the same loss and gradients
+    chunks_when_needed: bool = True
 
 
 @dataclass

@@ -80,7 +80,8 @@ def test_a_refusal_of_the_plain_loss_names_the_loss_in_chunks_where_that_fits(mo
     """A GPT whose logits (vocabulary 8192) make most of its step, on a device between the peak with the
     loss in chunks and the plain loss's: refused, and the refusal names loss.chunks=8 with its peak;
     kept with the plan for a rerun; a recipe already in chunks is not told so."""
-    over = ["model.args.vocab_size=8192", "run.memory_margin_gib=0", "run.memory_margin_fraction=0"]
+    over = ["model.args.vocab_size=8192", "run.memory_margin_gib=0", "run.memory_margin_fraction=0",
+            "loss.chunks_when_needed=false"]  # fmt: skip
     own = dict(shards=("none",), checkpointing=("none",), batches=False)
     plain = memory_plan.plan(_tiny(*over), 1, **own).peak()
     chunked = memory_plan.plan(_tiny(*over, "loss.chunks=8"), 1, **own).peak()
@@ -97,6 +98,7 @@ def test_a_refusal_of_the_plain_loss_names_the_loss_in_chunks_where_that_fits(mo
     assert memory_plan.main(["recipes/gpt_demo.yaml", "train.batch_size=16", *over, "--gpu-gib", f"{gib:.6f}"]) == 0
     printed = capsys.readouterr().out
     assert "does not fit" in printed and "; loss.chunks=8 (the output layer and the loss in chunks) would (" in printed
+    assert "a launch takes" not in printed, printed
     monkeypatch.setattr(memory_plan, "_plan_here", lambda *a: pytest.fail("planned again"))
     monkeypatch.setattr(memory_plan, "_plan_in_child", lambda *a: pytest.fail("planned again"))
     with pytest.raises(memory_plan.MemoryRefused) as again:
@@ -108,6 +110,41 @@ def test_a_refusal_of_the_plain_loss_names_the_loss_in_chunks_where_that_fits(mo
     with pytest.raises(memory_plan.MemoryRefused) as in_chunks:
         memory_plan.check_before_launch(_tiny(*over, "loss.chunks=8"))
     assert "loss.chunks" not in str(in_chunks.value), str(in_chunks.value)
+
+
+def test_where_only_the_loss_in_chunks_fits_the_run_takes_it(monkeypatch, capfd):
+    """The same GPT on a device between the two peaks, loss.chunks_when_needed on (the default): not
+    refused; the run's config takes loss.chunks=8, its log says so, and the plan returned is the
+    chunked recipe's own; a rerun plans nothing again. Below the chunked peak it is refused still."""
+    over = ["model.args.vocab_size=8192", "run.memory_margin_gib=0", "run.memory_margin_fraction=0"]
+    own = dict(shards=("none",), checkpointing=("none",), batches=False)
+    plain = memory_plan.plan(_tiny(*over), 1, **own).peak()
+    chunked = memory_plan.plan(_tiny(*over, "loss.chunks=8"), 1, **own).peak()
+    assert chunked < 0.8 * plain, (chunked, plain)
+    monkeypatch.setattr(memory_plan, "device_bytes", lambda index=None: (chunked + plain) // 2)
+    cfg = _tiny(*over)
+    assert cfg.loss.chunks == 0 and cfg.loss.chunks_when_needed
+    result = memory_plan.check_before_launch(cfg)
+    assert cfg.loss.chunks == memory_plan.CHUNKED == 8
+    # the chunked recipe's own plan (the launch's: no warm-up copy on a CPU), which fits where the plain one did not
+    assert result is not None and result.fits() and result.peak() < 0.8 * plain, (result and result.peak(), plain)
+    said = capfd.readouterr().err
+    assert "does not fit" in said and "loss.chunks=8 (the output layer and the loss in chunks) would (" in said, said
+    assert "the run takes it (loss.chunks_when_needed=false stops here instead)" in said, said
+    gib = (chunked + plain) // 2 / 2**30  # python -m distlib.runner.plan says so, on a device of that size
+    assert memory_plan.main(["recipes/gpt_demo.yaml", "train.batch_size=16", *over, "--gpu-gib", f"{gib:.6f}"]) == 0
+    assert "a launch takes loss.chunks=8 instead (loss.chunks_when_needed=false refuses it)" in capfd.readouterr().out
+    monkeypatch.setattr(memory_plan, "_plan_here", lambda *a: pytest.fail("planned again"))
+    monkeypatch.setattr(memory_plan, "_plan_in_child", lambda *a: pytest.fail("planned again"))
+    again = _tiny(*over)
+    assert memory_plan.check_before_launch(again).peak() == result.peak() and again.loss.chunks == 8
+    monkeypatch.undo()
+    monkeypatch.setattr(plan_cache, "cache_dir", lambda cfg: "/nonexistent/plans")  # nothing kept: planned now
+    monkeypatch.setattr(memory_plan, "device_bytes", lambda index=None: chunked // 2)
+    small = _tiny(*over)
+    with pytest.raises(memory_plan.MemoryRefused) as refused:
+        memory_plan.check_before_launch(small)
+    assert small.loss.chunks == 0 and "loss.chunks=8" not in str(refused.value), str(refused.value)
 
 
 def test_the_plan_is_keyed_by_the_code_and_the_versions(monkeypatch):

@@ -1043,6 +1043,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(result.table())
     print(result.verdict())
+    if result.fits() is False and takes_chunked(cfg, result):
+        print(f"a launch takes loss.chunks={CHUNKED} instead (loss.chunks_when_needed=false refuses it)")
     if args.json:
         import json
 
@@ -1060,6 +1062,13 @@ def add_chunked(cfg: Config, result: MemoryPlan, measure: Callable[[Config], Mem
     other = measure(dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, chunks=CHUNKED)))
     if other is not None and other.peak() < result.peak():
         result.chunked = other.peak()
+
+
+def takes_chunked(cfg: Config, result: MemoryPlan) -> bool:
+    """Whether a launch of ``cfg``, refused as ``result`` says, goes on with loss.chunks=CHUNKED instead:
+    ``loss.chunks_when_needed`` on and the loss in chunks measured to fit (``add_chunked``)."""
+    return (cfg.loss.chunks_when_needed and result.gpu_bytes is not None and result.chunked is not None
+            and result.chunked + result.margin <= result.gpu_bytes)  # fmt: skip
 
 
 def device_bytes(index: int | None = None) -> int | None:
@@ -1135,6 +1144,13 @@ def check_before_launch(cfg: Config) -> MemoryPlan | None:
             log.warning("memory plan: not made: the step did not run on fake tensors (%s)", result)
         return None
     if result.fits() is False:
+        if takes_chunked(cfg, result):
+            # the same loss and gradients at a slower step (docs/loss.md): a run that trains rather than
+            # one that stops; every rank takes the same plan, so every rank switches alike
+            if main:
+                log.info("%s: the run takes it (loss.chunks_when_needed=false stops here instead)", result.verdict())
+            cfg.loss.chunks = CHUNKED
+            return check_before_launch(cfg)  # the plan of the run as it goes: its own, kept under its own key
         raise MemoryRefused(result.verdict())
     if main:
         log.info("%s%s", result.verdict(), " (the plan of an earlier run: plan_cache)" if source == "cache" else "")

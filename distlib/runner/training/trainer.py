@@ -66,7 +66,7 @@ _RESUME_FREE = {
     "train.prewarm_eval", "train.cudnn_benchmark", "train.compile", "train.peak_tflops", "train.sample_tokens",
     "train.epochs", "train.max_steps", "train.eval_every_steps",
     "train.activation_checkpointing", "train.compile_backend", "model.block_class",
-    "train.fp8_recipe", "train.fp8_layers", "loss.chunks",
+    "train.fp8_recipe", "train.fp8_layers", "loss.chunks", "loss.chunks_when_needed",
 }  # fmt: skip
 
 
