@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import distlib
 from distlib.runner.config import load_config
-from distlib.runner.data.text import IGNORED, TokenLoader, eval_windows, load_byte_text
+from distlib.runner.data.text import IGNORED, TokenLoader, decode_bytes, eval_windows, load_byte_text
 from distlib.runner.models.gpt import GPT, GPTConfig, KVCache
 from distlib.runner.observability.throughput import mfu, peak_tflops
 from tests.conftest import ROOT
@@ -210,6 +210,31 @@ def test_training_is_a_plain_torch_loop_with_adamw_and_a_cosine_schedule(tmp_pat
     # the sample: the first 32 validation bytes, then 20 generated ones
     assert summary["sample_prompt"] == text.val[:32].numpy().tobytes().decode()
     assert summary["sample"].startswith(summary["sample_prompt"]) and len(summary["sample"]) > 32
+
+
+def test_bytes_decode_with_ids_past_the_bytes_as_replacement_characters():
+    """A byte model's vocabulary padded past 256 (as GPT-2's is to 50304) can sample an id that is no
+    byte: each such id is one U+FFFD, the valid UTF-8 around it kept."""
+    euro = list("€".encode())
+    assert decode_bytes([72, 105, *euro]) == "Hi€"
+    assert decode_bytes([72, 300, 105, 50303, *euro, 256]) == "H\ufffdi\ufffd€\ufffd"
+    # a sequence cut by an id: the cut start, the id, and each stray continuation byte (Python's rule)
+    assert decode_bytes([euro[0], 257, *euro[1:]]) == "\ufffd" * 4
+    assert decode_bytes([]) == ""
+
+
+def test_a_byte_model_with_a_vocabulary_past_the_bytes_samples_without_failing(tmp_path, world_size_1):
+    """model.args.vocab_size=320 on byte text (the sample then draws from 320 ids): the run ends with
+    exit 0 and its sample in summary.json."""
+    cfg = load_config(DEMO, [*SMALL, "train.epochs=1", "model.args.vocab_size=320", "train.sample_tokens=64",
+                             f"run.out_dir={tmp_path}"])  # fmt: skip
+    with built(cfg, distlib.init("gloo")) as trainer:
+        with torch.no_grad():  # the padded ids made likelier than any byte: the sample surely draws some
+            trainer.model.lm_head.weight[256:] = trainer.model.lm_head.weight[:256].abs().max() * 4
+        assert trainer.fit() == 0
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["sample"].startswith(summary["sample_prompt"]) and "\ufffd" in summary["sample"]
 
 
 def token_windows(block_size: int = 16) -> tuple:

@@ -125,6 +125,20 @@ class TokenLoader:
             yield w[:, :-1], w[:, 1:]
 
 
+def decode_bytes(ids: list[int]) -> str:
+    """Byte ids as UTF-8 text (invalid sequences as U+FFFD). An id past 255 is no byte (a byte model's
+    vocabulary padded beyond the 256 bytes can still sample one): U+FFFD too, the bytes around it kept."""
+    parts, run = [], bytearray()
+    for i in ids:
+        if 0 <= i < 256:
+            run.append(i)
+        else:
+            parts.append(run.decode("utf-8", errors="replace") + "\ufffd")
+            run = bytearray()
+    parts.append(run.decode("utf-8", errors="replace"))
+    return "".join(parts)
+
+
 IGNORED = -100  # cross_entropy's ignore_index: the targets of a window that counts for nothing
 
 

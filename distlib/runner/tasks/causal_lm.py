@@ -25,7 +25,7 @@ from distlib.runner import components
 from distlib.runner.config import Config, ConfigError
 from distlib.runner.data.chat import ChatLoader, eval_batches
 from distlib.runner.data.errors import DataError
-from distlib.runner.data.text import IGNORED, TokenLoader, eval_windows
+from distlib.runner.data.text import IGNORED, TokenLoader, decode_bytes, eval_windows
 from distlib.runner.observability.throughput import flops_per_token, gpus_per_process, mfu, peak_tflops
 from distlib.runner.observability.timeline import Timeline
 from distlib.runner.tasks import chat
@@ -250,8 +250,7 @@ class CausalLMTask(Task):
         with autocast:
             out = model.generate(prompt, n, temperature=0.8, top_k=None, generator=g)
         model.train()
-        text = bytes(out[0].tolist()).decode("utf-8", errors="replace")
-        return {"sample_prompt": bytes(prompt[0].tolist()).decode("utf-8", errors="replace"), "sample": text}
+        return {"sample_prompt": decode_bytes(prompt[0].tolist()), "sample": decode_bytes(out[0].tolist())}
 
 
 def recipe_vocab_size(cfg: Config) -> int | None:
