@@ -370,9 +370,9 @@ def test_error_lines_of_ranks_failing_at_once_stay_whole(capfd, monkeypatch):
 def test_a_checkpoint_must_match_every_key_but_the_documented_free_ones():
     """docs/reliability.md: the model, the loss, train.* (except eval_every, tta, tta_translate,
     cuda_graph, prewarm_steps, prewarm_eval, cudnn_benchmark, compile, compile_backend, activation_checkpointing,
-    peak_tflops, sample_tokens, fp8_recipe, fp8_layers, model.block_class, loss.chunks (the same
-    loss and gradients), and the budget: epochs, max_steps, eval_every_steps), data.name, data.args,
-    data.augment.* and data.train_subset
+    peak_tflops, sample_tokens, fp8_recipe, fp8_layers, model.block_class, loss.chunks and
+    loss.chunks_when_needed (the same loss and gradients), and the budget: epochs, max_steps,
+    eval_every_steps), data.name, data.args, data.augment.* and data.train_subset
     must match the checkpoint."""
     import dataclasses
 
@@ -384,7 +384,8 @@ def test_a_checkpoint_must_match_every_key_but_the_documented_free_ones():
             "compile", "peak_tflops", "sample_tokens", "epochs", "max_steps", "eval_every_steps", "compile_backend",
             "activation_checkpointing", "fp8_recipe", "fp8_layers"}  # fmt: skip
     expected = {f"model.{f.name}" for f in dataclasses.fields(cfg.model) if f.name != "block_class"}
-    expected |= {f"loss.{f.name}" for f in dataclasses.fields(cfg.loss) if f.name != "chunks"}
+    loss_free = ("chunks", "chunks_when_needed")
+    expected |= {f"loss.{f.name}" for f in dataclasses.fields(cfg.loss) if f.name not in loss_free}
     expected |= {"data.name", "data.args"}
     expected |= {f"train.{f.name}" for f in dataclasses.fields(cfg.train) if f.name not in free}
     expected |= {f"data.augment.{f.name}" for f in dataclasses.fields(cfg.data.augment)} | {"data.train_subset"}
