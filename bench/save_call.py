@@ -4,6 +4,7 @@ final evaluation waits for), with the model replicated or under FSDP2, one proce
     python -m bench.save_call --shard full --size 1.5B      # on a GPU; also --shard none
     python -m bench.save_call --shard full --size tiny      # anywhere (gloo on the CPU)
     python -m bench.save_call --shard none --size 124M      # 1.4 GiB of state, on a CPU too
+    python -m bench.save_call --shard none --size 124M --writeback off   # the files' pages left to the fsync
 
 The GPT (1.5B: 48 x 1600, vocabulary 50304; tiny: 48 x 64, vocabulary 256: as many tensors) takes
 one AdamW step, then ``ShardedCheckpointer.save(..., async_=True, in_place=True)`` runs twice into a
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import distlib
-from distlib.checkpoint import sharded
+from distlib.checkpoint import sharded, writeback
 from distlib.runner.models.gpt import GPT, GPTConfig
 
 SIZES = {
@@ -111,10 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard", choices=["none", "full"], default="full")
     p.add_argument("--size", choices=sorted(SIZES), default="1.5B")
     p.add_argument("--dir", default="", help="where the checkpoints go (default: a temporary directory)")
+    p.add_argument("--saves", type=int, default=2)
+    p.add_argument("--writeback", choices=["on", "off"], default="on")
     args = p.parse_args(argv)
-    rows = run(args.shard, args.size, args.dir)
+    if args.writeback == "off":
+        writeback.EVERY = 1 << 62  # never reached: every page waits for the fsync
+    rows = run(args.shard, args.size, args.dir, args.saves)
     names = ["call_s", "total_s", *PARTS, "_stage", *PHASES]
-    print(f"in-place asynchronous save, shard={args.shard}, {args.size} GPT, seconds")
+    print(f"in-place asynchronous save, shard={args.shard}, {args.size} GPT, writeback {args.writeback}, seconds")
     print("| save | " + " | ".join(n.strip("_") for n in names) + " |")
     print("|---" * (len(names) + 1) + "|")
     for r in rows:

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.utils._pytree import tree_map_only
 
-from distlib.checkpoint import disk
+from distlib.checkpoint import disk, writeback
 from distlib.checkpoint.integrity import crc32_on, file_crc32, file_sha256, records_intact, seal, unseal
 from distlib.checkpoint.layout import COMMITTED, PARTIAL, discard, fsync_dir, leftovers, step_name
 from distlib.checkpoint.staging import pin_in_place
@@ -446,8 +446,10 @@ class _WriteErrors(FileSystem):
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        # a file written is handed to the disk as it grows (writeback.py): the fsync before the commit
+        # then waits for its last pages, not for all of them
         try:
-            with super().create_stream(path, mode) as stream:
+            with writeback.WritingBack(path) if mode == "wb" else super().create_stream(path, mode) as stream:
                 yield stream
         except Exception as e:  # torch.save's zip writer turns a failed write into a RuntimeError of its own
             if not (isinstance(e, OSError) or disk.is_disk_full(e)):

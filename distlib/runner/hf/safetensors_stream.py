@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from distlib.checkpoint import writeback
 from distlib.runner.hf.dcp_tensors import bytes_of
 from distlib.runner.hf.dtypes import SAFETENSORS_NAMES
 
@@ -190,12 +191,9 @@ def write(
                 keep.append(t)  # the views below do not hold their tensors
                 views.append(bytes_of(t))
             _write_all(fd, views, len(head) + first)
-            written = sum(p.nbytes for p in group)
-            if written and hasattr(os, "posix_fadvise"):
-                # start writing these pages back now (Linux writes dirty pages back on this advice, without
-                # waiting, and drops none of them): the disk writes while the next groups are read, not all
-                # at the fsync, nor once the kernel's dirty threshold (a tenth of the memory) is reached
-                os.posix_fadvise(fd, len(head) + first, written, os.POSIX_FADV_DONTNEED)
+            # these pages to the disk now (writeback.py): it writes while the next groups are read, not all
+            # at the fsync, nor once the kernel's dirty threshold (a tenth of the memory) is reached
+            writeback.start(fd, len(head) + first, sum(p.nbytes for p in group))
         os.fsync(fd)
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
