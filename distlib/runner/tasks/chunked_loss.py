@@ -34,8 +34,10 @@ VOCAB_ALIGN = 64  # the output matrix's rows padded to a multiple of this (as na
 
 def _chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, smoothing: float, grads: bool, vocab: int):
     """One chunk: the summed cross-entropy of its trained rows (fp32) and, with ``grads``, the
-    gradient of that sum with respect to the chunk's logits (fp32; zero on ignored rows and on the
-    padded columns past ``vocab``)."""
+    gradient of that sum with respect to the chunk's logits (computed in fp32, returned in ``h``'s
+    dtype, the products' operand: compiled, the cast is part of the softmax's kernel and no fp32
+    gradient of a chunk's logits is ever stored; zero on ignored rows and on the padded columns past
+    ``vocab``)."""
     logits = (h @ weight.t()).float()  # in the inputs' dtype, as autocast's linear, then fp32 as the plain loss
     real = torch.arange(logits.shape[-1], device=logits.device) < vocab
     if logits.shape[-1] > vocab:  # the padded rows of the output matrix: no token's logit
@@ -57,7 +59,7 @@ def _chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, smoothing: fl
         g -= torch.where(real, smoothing / vocab, 0.0)
     g.scatter_add_(1, safe.unsqueeze(1), torch.full_like(g[:, :1], -(1 - smoothing)))
     g *= keep.unsqueeze(1)
-    return total, g
+    return total, g.to(h.dtype)
 
 
 _compiled: dict[str, object] = {}  # the backend: _chunk compiled with it (one graph a chunk shape)
@@ -88,8 +90,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             part, g = chunk(hc, weight, yc, smoothing, grads, vocab)
             total += part
             if grads:
-                g = g.to(h.dtype)
-                grad_h[start : start + hc.shape[0]] = g @ weight
+                torch.mm(g, weight, out=grad_h[start : start + hc.shape[0]])  # its rows of grad_h: no copy
                 if grad_w is not None:  # fp32 accumulation over the chunks
                     if hc.dtype == grad_w.dtype:
                         grad_w.addmm_(g.t(), hc)
