@@ -147,6 +147,25 @@ def test_where_only_the_loss_in_chunks_fits_the_run_takes_it(monkeypatch, capfd)
     assert small.loss.chunks == 0 and "loss.chunks=8" not in str(refused.value), str(refused.value)
 
 
+def test_under_a_whole_model_compile_the_plan_is_the_plain_losss_and_no_launch_takes_chunks(monkeypatch):
+    """train.compile=model runs the plain loss whatever loss.chunks says (causal_lm's ``chunked``): the
+    plan of loss.chunks=8 there is the plain loss's peak, and on a device that only the loss in chunks
+    fits (under compiled blocks) the launch is refused, its config left as it was, nothing named that
+    the run would not do."""
+    over = ["model.args.vocab_size=8192", "run.memory_margin_gib=0", "run.memory_margin_fraction=0",
+            "train.compile=model"]  # fmt: skip
+    own = dict(shards=("none",), checkpointing=("none",), batches=False)
+    plain = memory_plan.plan(_tiny(*over), 1, **own).peak()
+    assert memory_plan.plan(_tiny(*over, "loss.chunks=8"), 1, **own).peak() == plain
+    chunked = memory_plan.plan(_tiny(*over[:-1], "loss.chunks=8"), 1, **own).peak()  # compiled blocks
+    assert chunked < 0.8 * plain, (chunked, plain)
+    monkeypatch.setattr(memory_plan, "device_bytes", lambda index=None: (chunked + plain) // 2)
+    cfg = _tiny(*over)
+    with pytest.raises(memory_plan.MemoryRefused) as refused:
+        memory_plan.check_before_launch(cfg)
+    assert cfg.loss.chunks == 0 and "loss.chunks" not in str(refused.value), str(refused.value)
+
+
 def test_the_plan_is_keyed_by_the_code_and_the_versions(monkeypatch):
     cfg = _tiny()
     key = plan_cache.plan_key(cfg, 1, "", None, False, {})

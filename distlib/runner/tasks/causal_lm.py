@@ -30,7 +30,7 @@ from distlib.runner.observability.throughput import flops_per_token, gpus_per_pr
 from distlib.runner.observability.timeline import Timeline
 from distlib.runner.tasks import chat
 from distlib.runner.tasks.batch import call_model, to_device
-from distlib.runner.tasks.chunked_loss import chunked_cross_entropy
+from distlib.runner.tasks.chunked_loss import chunked_cross_entropy, chunks_applied
 from distlib.runner.tasks.losses import StepLoss, trained
 from distlib.runner.tasks.task import Task, dataset_loaders
 
@@ -129,14 +129,7 @@ class CausalLMTask(Task):
     def chunked(self, model: nn.Module | None) -> int:
         """loss.chunks where the loss can apply the model's output layer in chunks (the built-in
         cross_entropy, a model whose forward takes ``head``), else 0: the plain loss."""
-        c = self.cfg.loss
-        if not c.chunks or c.name != "cross_entropy" or set(c.args) - {"label_smoothing"}:
-            return 0
-        if self.cfg.train.compile == "model":
-            # the whole model compiled around the loss's autograd Function did not train on a GPU (the loss
-            # stayed at its start): the plain loss there until that composition is understood
-            return 0
-        return c.chunks if getattr(model, "takes_head", False) else 0
+        return chunks_applied(self.cfg) if getattr(model, "takes_head", False) else 0
 
     def train_metrics(self, collect: bool = True) -> dict[str, Any]:
         aux = getattr(self, "_aux", None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,9 @@ from torch import nn
 
 from distlib.runner.data.text import IGNORED
 from distlib.runner.tasks.losses import StepLoss, cross_entropy
+
+if TYPE_CHECKING:
+    from distlib.runner.config import Config
 
 VOCAB_ALIGN = 64  # the output matrix's rows padded to a multiple of this (as nanoGPT pads 50257 to 50304)
 
@@ -143,6 +147,21 @@ def _apply(hidden: torch.Tensor, head: nn.Module, *, targets: torch.Tensor, chun
                                 compile_backend=compile_backend)  # fmt: skip
 
 
+def chunks_applied(cfg: Config) -> int:
+    """The chunks a run of ``cfg`` applies its loss in, given a model that takes ``head`` (else 0: the
+    plain loss): ``loss.chunks`` for the built-in cross_entropy (``loss.args`` at most its
+    label_smoothing), none under ``train.compile=model``. The task's loss and the memory plan both
+    ask here, so the plan is that of the loss that runs."""
+    c = cfg.loss
+    if not c.chunks or c.name != "cross_entropy" or set(c.args) - {"label_smoothing"}:
+        return 0
+    if cfg.train.compile == "model":
+        # the whole model compiled around the loss's autograd Function did not train on a GPU (the loss
+        # stayed at its start): the plain loss there until that composition is understood
+        return 0
+    return c.chunks
+
+
 def chunked_cross_entropy(chunks: int, label_smoothing: float = 0.0, compile_backend: str | None = None) -> StepLoss:
     """The causal-LM cross-entropy as a ``StepLoss`` whose ``head(targets)`` the model applies to its
     hidden states and output layer (``model(x, head=...)``) and returns the summed loss of. Given
@@ -162,4 +181,4 @@ def chunked_cross_entropy(chunks: int, label_smoothing: float = 0.0, compile_bac
     return StepLoss(parts, head=head)
 
 
-__all__ = ["chunked_cross_entropy", "linear_cross_entropy"]
+__all__ = ["chunked_cross_entropy", "chunks_applied", "linear_cross_entropy"]

@@ -66,7 +66,7 @@ from distlib.runner import components
 from distlib.runner.config import LM_DATA, Config, ConfigError, task_of
 from distlib.runner.models.parameters import cast_frozen, param_groups
 from distlib.runner.tasks.causal_lm import recipe_vocab_size
-from distlib.runner.tasks.chunked_loss import chunked_cross_entropy, linear_cross_entropy
+from distlib.runner.tasks.chunked_loss import chunked_cross_entropy, chunks_applied, linear_cross_entropy
 from distlib.runner.training.optimizer_step import PRECISIONS
 
 GIB = 2**30
@@ -308,8 +308,7 @@ def step_spec(cfg: Config) -> StepSpec:
         offload=cfg.dist.offload, fp8_recipe=t.fp8_recipe, fp8_layers=t.fp8_layers, momentum=t.momentum,
         nesterov=t.nesterov, cuda_graph=t.cuda_graph, compress=cfg.dist.compress, ema=t.ema > 0,
         compiled_blocks=t.compile in ("auto", "blocks") and t.compile_backend == "inductor",
-        chunks=cfg.loss.chunks if cfg.loss.name == "cross_entropy" and set(cfg.loss.args) <= {"label_smoothing"}
-        else 0,
+        chunks=chunks_applied(cfg),
     )  # fmt: skip
 
 
