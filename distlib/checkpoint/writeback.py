@@ -27,7 +27,10 @@ def start(fd: int, offset: int, length: int) -> None:
     """Start writing the bytes ``[offset, offset + length)`` of the open file ``fd`` to the disk,
     without waiting for them."""
     if _ADVISE and length > 0:
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        except OSError:  # advice only: a file that takes none (a pipe: ESPIPE) is written all the same
+            pass
 
 
 class WritingBack(io.BufferedWriter):

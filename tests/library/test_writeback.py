@@ -77,3 +77,15 @@ def test_a_sharded_checkpoint_written_back_as_it_grows_loads_what_three_ranks_sa
     # DCP writes a replicated tensor once, on one rank or another: over the ranks, the weights at least
     assert sum(map(sum, calls)) >= 200 * 300 * 4
     assert all(length >= 4096 for c in calls for length in c)
+
+
+def test_a_file_system_that_refuses_the_advice_is_written_all_the_same(tmp_path, monkeypatch):
+    def refuse(fd: int, offset: int, length: int, advice: int) -> None:
+        raise OSError(29, "Illegal seek")  # ESPIPE, as for a pipe
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    data = random.Random(3).randbytes(5000)
+    with writeback.WritingBack(tmp_path / "f.bin", every=1000) as f:
+        for i in range(0, len(data), 700):
+            f.write(data[i : i + 700])
+    assert (tmp_path / "f.bin").read_bytes() == data
