@@ -186,6 +186,47 @@ def test_a_model_trains_with_the_chunked_loss_as_with_the_plain_one(kind, world_
     assert results[("none", True)][0] == pytest.approx(results[("full", True)][0], abs=1e-5)
 
 
+def _whole_model_rank(ctx) -> dict:
+    import torch._dynamo
+
+    out = {}
+    for compiled in (False, True):
+        cfg = Config()
+        cfg.train.batch_size, cfg.train.label_smoothing = ROWS, SMOOTHING
+        if compiled:
+            cfg.train.compile, cfg.train.compile_backend = "model", "aot_eager"
+        model = _model("gpt")
+        loss = chunked_cross_entropy(3, SMOOTHING, cfg.train.compile_backend if compiled else None)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        torch._dynamo.utils.counters.clear()
+        step = build_step(cfg, ctx, model, opt, ROWS // ctx.world_size, loss_fn=loss)
+        per = ROWS // ctx.world_size
+        rows = slice(ctx.rank * per, (ctx.rank + 1) * per)
+        history, losses = [_full(model)], []
+        for x, y in _batches(ctx.world_size, steps=3):
+            losses.append(distlib.all_reduce(step(x[rows], y[rows]).detach().clone(), op="mean").item())
+            history.append(_full(model))
+        step.close()
+        out[compiled] = (losses, history, torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    return out
+
+
+def test_a_whole_model_compiled_around_the_chunked_loss_trains_as_eager():
+    """train.compile=model with the loss in chunks (the model compiled whole by the step, one graph a
+    GradSync bucket, at 2 gloo ranks): the model's graphs end at the hidden states and the loss's
+    Function runs between forward and backward; each step's loss and every parameter's change equal
+    the eager run's. (Traced into the model's graph, the Function's gradients could not leave it.)"""
+    results = run_ranks(_whole_model_rank, 2, timeout=300)[0]
+    (eager_losses, eager, _), (losses, compiled, graphs) = results[False], results[True]
+    assert graphs > 0  # the model was compiled
+    assert max(abs(a - b) for a, b in zip(losses, eager_losses)) < 1e-5, (losses, eager_losses)
+    for k in range(1, len(eager)):
+        for name in eager[k]:
+            want, got = eager[k][name] - eager[k - 1][name], compiled[k][name] - compiled[k - 1][name]
+            assert want.abs().max() > 0 or "wpe" in name or "bias" in name, name  # a gradient reached it
+            assert (got - want).abs().max() < 1e-5, (k, name)
+
+
 @pytest.mark.gpus(1)
 @pytest.mark.parametrize("backend", [None, "inductor"])
 def test_on_a_gpu_the_chunked_loss_in_bf16_is_as_close_to_the_fp32_loss_as_the_plain_one(backend):
@@ -224,3 +265,35 @@ def test_on_a_gpu_the_chunked_loss_in_bf16_is_as_close_to_the_fp32_loss_as_the_p
     for a, b, e in zip(got_grads, want_grads, exact_grads):
         assert a.dtype == e.dtype
         assert rel(a, e) <= 2 * rel(b, e) + 1e-3, (rel(a, e), rel(b, e))
+
+
+@pytest.mark.gpus(1)
+def test_on_a_gpu_a_whole_model_compiled_by_inductor_around_the_chunked_loss_trains_as_eager():
+    """The composition that once trained nothing on a GPU: the GPT compiled whole by inductor, bf16
+    autocast, the loss in chunks (each chunk compiled too), three SGD steps against eager: the same
+    losses within bf16's rounding, and every weight moved as far."""
+    from distlib.runner.models.gpt import gpt
+
+    g = torch.Generator().manual_seed(13)
+    batches = [(torch.randint(0, 256, (4, 64), generator=g).cuda(), _targets(g, 4, 64, 256).cuda()) for _ in range(3)]
+    runs = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = gpt(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64).cuda()
+        net = torch.compile(model, backend="inductor") if compiled else model
+        loss = chunked_cross_entropy(4, SMOOTHING, "inductor" if compiled else None)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        losses = []
+        for x, y in batches:
+            with torch.autocast("cuda", torch.bfloat16):
+                total = net(x, head=loss.head(y))
+            (total / (y != -100).sum()).backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(total.item())
+        runs[compiled] = losses, {n: (p.detach() - start[n]).norm().item() for n, p in model.named_parameters()}
+    (eager_losses, eager_moved), (losses, moved) = runs[False], runs[True]
+    assert losses == pytest.approx(eager_losses, rel=2e-2), (losses, eager_losses)
+    for name, distance in eager_moved.items():
+        assert moved[name] == pytest.approx(distance, rel=0.1, abs=1e-6), (name, moved[name], distance)

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from distlib.runner.config import Config, load_config
+from distlib.runner.tasks.chunked_loss import chunks_applied
 from distlib.runner.training import memory_plan, plan_cache
 from tests.conftest import ROOT
 
@@ -147,23 +148,19 @@ def test_where_only_the_loss_in_chunks_fits_the_run_takes_it(monkeypatch, capfd)
     assert small.loss.chunks == 0 and "loss.chunks=8" not in str(refused.value), str(refused.value)
 
 
-def test_under_a_whole_model_compile_the_plan_is_the_plain_losss_and_no_launch_takes_chunks(monkeypatch):
-    """train.compile=model runs the plain loss whatever loss.chunks says (causal_lm's ``chunked``): the
-    plan of loss.chunks=8 there is the plain loss's peak, and on a device that only the loss in chunks
-    fits (under compiled blocks) the launch is refused, its config left as it was, nothing named that
-    the run would not do."""
-    over = ["model.args.vocab_size=8192", "run.memory_margin_gib=0", "run.memory_margin_fraction=0",
-            "train.compile=model"]  # fmt: skip
+def test_the_plan_counts_the_loss_in_chunks_where_the_run_applies_it_and_not_elsewhere():
+    """The plan asks the task's own rule (``chunks_applied``): under a whole-model compile the loss in
+    chunks runs (its Function outside the model's graph) and is planned lower than the plain loss; a
+    loss of the user's own is never taken in chunks."""
+    over = ["model.args.vocab_size=8192", "run.memory_margin_gib=0", "run.memory_margin_fraction=0"]
     own = dict(shards=("none",), checkpointing=("none",), batches=False)
-    plain = memory_plan.plan(_tiny(*over), 1, **own).peak()
-    assert memory_plan.plan(_tiny(*over, "loss.chunks=8"), 1, **own).peak() == plain
-    chunked = memory_plan.plan(_tiny(*over[:-1], "loss.chunks=8"), 1, **own).peak()  # compiled blocks
-    assert chunked < 0.8 * plain, (chunked, plain)
-    monkeypatch.setattr(memory_plan, "device_bytes", lambda index=None: (chunked + plain) // 2)
-    cfg = _tiny(*over)
-    with pytest.raises(memory_plan.MemoryRefused) as refused:
-        memory_plan.check_before_launch(cfg)
-    assert cfg.loss.chunks == 0 and "loss.chunks" not in str(refused.value), str(refused.value)
+    whole = _tiny(*over, "train.compile=model", "loss.chunks=8")
+    assert chunks_applied(whole) == 8
+    plain = memory_plan.plan(_tiny(*over, "train.compile=model"), 1, **own).peak()
+    assert memory_plan.plan(whole, 1, **own).peak() < 0.8 * plain
+    custom = _tiny(*over, "loss.chunks=8")
+    custom.loss = dataclasses.replace(custom.loss, name="mylosses:focal")  # a loss of the user's own
+    assert chunks_applied(custom) == 0
 
 
 def test_the_plan_is_keyed_by_the_code_and_the_versions(monkeypatch):

@@ -137,8 +137,19 @@ def linear_cross_entropy(
     h, w = hidden.flatten(0, -2).to(dtype), weight.to(dtype)
     grads = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)  # evaluation: the loss alone
     with torch.autocast(device, enabled=False):
-        return _LinearCrossEntropy.apply(h, w, targets.flatten(), max(1, chunks), label_smoothing, grads,
-                                         w.requires_grad, compile_backend)  # fmt: skip
+        return _outside_graphs(h, w, targets.flatten(), max(1, chunks), label_smoothing, grads, w.requires_grad,
+                               compile_backend)  # fmt: skip
+
+
+@torch.compiler.disable
+def _outside_graphs(*args):
+    """The loss's autograd Function, never traced into a graph around it: compiled whole
+    (``train.compile=model``), the model's graph ends at the hidden states and this runs between its
+    forward and backward, as under compiled blocks. Traced, its forward's gradients (intermediates
+    it fills in place and keeps for the backward) are what dynamo cannot carry out of the Function's
+    graph: torch 2.14 refuses them ("an intermediate tensor ... aliases an input or output"), and a
+    GPU run under torch 2.11 trained nothing. Each chunk is still compiled with ``compile_backend``."""
+    return _LinearCrossEntropy.apply(*args)
 
 
 def _apply(hidden: torch.Tensor, head: nn.Module, *, targets: torch.Tensor, chunks: int, label_smoothing: float,
@@ -150,14 +161,10 @@ def _apply(hidden: torch.Tensor, head: nn.Module, *, targets: torch.Tensor, chun
 def chunks_applied(cfg: Config) -> int:
     """The chunks a run of ``cfg`` applies its loss in, given a model that takes ``head`` (else 0: the
     plain loss): ``loss.chunks`` for the built-in cross_entropy (``loss.args`` at most its
-    label_smoothing), none under ``train.compile=model``. The task's loss and the memory plan both
-    ask here, so the plan is that of the loss that runs."""
+    label_smoothing). The task's loss and the memory plan both ask here, so the plan is that of the
+    loss that runs."""
     c = cfg.loss
     if not c.chunks or c.name != "cross_entropy" or set(c.args) - {"label_smoothing"}:
-        return 0
-    if cfg.train.compile == "model":
-        # the whole model compiled around the loss's autograd Function did not train on a GPU (the loss
-        # stayed at its start): the plain loss there until that composition is understood
         return 0
     return c.chunks
 
