@@ -18,7 +18,8 @@ PYTEST_JOBS ?= 2
 COMPAT_PKGS ?= torch==2.11.0 torchvision==0.26.0 transformers==5.17.0 torchao==0.18.0
 COMPAT_TESTS ?= tests/library/test_compile.py tests/library/test_float8.py tests/library/test_fsdp.py \
 	tests/library/test_sharded_checkpoint.py tests/runner/test_memory_plan.py tests/runner/test_hf_families.py \
-	tests/runner/test_compilation.py tests/runner/test_float8.py tests/runner/test_hf_causal_lm.py
+	tests/runner/test_compilation.py tests/runner/test_float8.py tests/runner/test_hf_causal_lm.py \
+	tests/runner/test_chunked_loss.py
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.distlib-installed
