@@ -99,7 +99,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     if hc.dtype == grad_w.dtype:
                         grad_w.addmm_(g.t(), hc)
                     else:  # bf16 operands: the product in their dtype (as the plain loss's), summed in fp32
-                        grad_w += (g.t() @ hc).float()
+                        # add_ promotes each element as it reads it: no fp32 copy of the product is stored
+                        grad_w.add_(g.t() @ hc)
             start += hc.shape[0]
         if grads:
             ctx.save_for_backward(grad_h, grad_w[:vocab].to(weight.dtype) if grad_w is not None else None)
