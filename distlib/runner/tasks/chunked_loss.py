@@ -137,20 +137,28 @@ def linear_cross_entropy(
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     h, w = hidden.flatten(0, -2).to(dtype), weight.to(dtype)
     grads = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)  # evaluation: the loss alone
+    # compiled (each chunk; the whole model around it, train.compile=model): the Function kept out of graphs
+    apply = _apply_outside_graphs() if compile_backend is not None else _LinearCrossEntropy.apply
     with torch.autocast(device, enabled=False):
-        return _outside_graphs(h, w, targets.flatten(), max(1, chunks), label_smoothing, grads, w.requires_grad,
-                               compile_backend)  # fmt: skip
+        return apply(h, w, targets.flatten(), max(1, chunks), label_smoothing, grads, w.requires_grad,
+                     compile_backend)  # fmt: skip
 
 
-@torch.compiler.disable
-def _outside_graphs(*args):
+_outside: dict[str, Callable] = {}  # "apply": the Function's apply behind torch.compiler.disable, made once
+
+
+def _apply_outside_graphs() -> Callable:
     """The loss's autograd Function, never traced into a graph around it: compiled whole
     (``train.compile=model``), the model's graph ends at the hidden states and this runs between its
     forward and backward, as under compiled blocks. Traced, its forward's gradients (intermediates
     it fills in place and keeps for the backward) are what dynamo cannot carry out of the Function's
-    graph: torch 2.14 refuses them ("an intermediate tensor ... aliases an input or output"), and a
-    GPU run under torch 2.11 trained nothing. Each chunk is still compiled with ``compile_backend``."""
-    return _LinearCrossEntropy.apply(*args)
+    graph: torch 2.14 refuses them ("an intermediate tensor ... aliases an input or output"), and
+    torch 2.11 drops them, so the model trains nothing. Each chunk is still compiled with its
+    ``compile_backend``. Made at the first call, not at import: ``torch.compiler.disable`` imports
+    dynamo, which a run that compiles nothing never needs (tests/runner/test_startup_imports.py)."""
+    if "apply" not in _outside:
+        _outside["apply"] = torch.compiler.disable(_LinearCrossEntropy.apply)
+    return _outside["apply"]
 
 
 def _apply(hidden: torch.Tensor, head: nn.Module, *, targets: torch.Tensor, chunks: int, label_smoothing: float,
@@ -177,6 +185,8 @@ def chunked_cross_entropy(chunks: int, label_smoothing: float = 0.0, compile_bac
     Replicas calls the model), the plain summed cross-entropy. ``compile_backend``: see
     ``linear_cross_entropy``."""
     plain = functools.partial(cross_entropy, label_smoothing=label_smoothing, reduction="sum")
+    if compile_backend is not None:  # made here, before any graph of the model traces the loss
+        _apply_outside_graphs()
 
     def head(targets: torch.Tensor) -> Callable[[torch.Tensor, nn.Module], torch.Tensor]:
         return functools.partial(_apply, targets=targets, chunks=chunks, label_smoothing=label_smoothing,
