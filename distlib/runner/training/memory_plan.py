@@ -158,12 +158,16 @@ class MemoryPlan:
             return f"{head}: fits {self.device()}"
         return f"{head}: does not fit {self.device()}{self.advice()}"
 
+    def chunked_fits(self) -> bool:
+        """Whether the peak with loss.chunks=CHUNKED (``chunked``, measured for a refused plain loss) fits."""
+        return self.chunked is not None and self.gpu_bytes is not None and self.chunked + self.margin <= self.gpu_bytes
+
     def advice(self) -> str:
         """What would fit instead, among the modes measured ("; ..."), or what to change when none does."""
         fitting = [(self.peak(s, c), s, c) for s, m in self.modes.items() for c in m.steps if self.fits(s, c)]
         chunked = (
             f"loss.chunks={CHUNKED} (the output layer and the loss in chunks) would ({size(self.chunked)})"
-            if self.chunked is not None and self.gpu_bytes is not None and self.chunked + self.margin <= self.gpu_bytes
+            if self.chunked_fits()
             else ""
         )
         if not fitting:
@@ -1066,8 +1070,7 @@ def add_chunked(cfg: Config, result: MemoryPlan, measure: Callable[[Config], Mem
 def takes_chunked(cfg: Config, result: MemoryPlan) -> bool:
     """Whether a launch of ``cfg``, refused as ``result`` says, goes on with loss.chunks=CHUNKED instead:
     ``loss.chunks_when_needed`` on and the loss in chunks measured to fit (``add_chunked``)."""
-    return (cfg.loss.chunks_when_needed and result.gpu_bytes is not None and result.chunked is not None
-            and result.chunked + result.margin <= result.gpu_bytes)  # fmt: skip
+    return cfg.loss.chunks_when_needed and result.chunked_fits()
 
 
 def device_bytes(index: int | None = None) -> int | None:
