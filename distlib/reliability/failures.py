@@ -23,7 +23,10 @@ import torch.distributed as dist
 from distlib.distributed import collectives, process_group
 
 _TIMEOUT_MARKERS = ("timed out", "timeout")
-_PEER_LOST_MARKERS = ("connection closed", "connection reset", "broken pipe", "connection refused", "closed by peer")
+_PEER_LOST_MARKERS = (
+    "connection closed", "connection reset", "broken pipe", "connection refused", "closed by peer",
+    "connection was likely closed",  # gloo's connect when the peer's process ended meanwhile (a DistNetworkError)
+)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -76,7 +79,7 @@ def describe(
     # a library error that wraps the collective's own (GradSync's timeout with its join() hint) counts as it
     text = " ".join(str(x) for x in (exc, exc.__cause__) if x is not None).lower()
     op, caller = _collective_and_caller(exc)
-    if not op and not any(m in text for m in ("gloo", "nccl", "c10d")):
+    if not op and not isinstance(exc, dist.DistError) and not any(m in text for m in ("gloo", "nccl", "c10d")):
         return None  # not a collective's failure
     where = (op or "a collective") + (f" (called from {caller})" if caller else "")
     first_line = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__

@@ -40,6 +40,19 @@ def test_a_lost_peer_is_named_as_such():
     assert text.startswith("rank 0 lost the connection to another rank in a collective")
 
 
+def test_a_peer_gone_while_gloo_connects_is_a_lost_peer():
+    """The gloo connect of a new group whose peer's process ended meanwhile: a DistNetworkError whose text
+    names neither gloo nor a collective."""
+    import torch.distributed as dist
+
+    try:
+        raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed. Did the remote "
+                                    "server shutdown or crash?")  # fmt: skip
+    except RuntimeError as e:
+        text = describe(e, rank=1, timeout_s=10)
+    assert text is not None and text.startswith("rank 1 lost the connection to another rank in"), text
+
+
 def test_other_errors_are_not_described():
     assert describe(raised("CUDA out of memory"), rank=0, timeout_s=10) is None
     assert describe(raised("the DataLoader timed out"), rank=0, timeout_s=10) is None

@@ -17,7 +17,7 @@ from distlib.errors import DistlibError
 from distlib.log import write_line
 from distlib.parallel.grad_sync import GradSyncTimeout
 from distlib.reliability.failures import describe, peer_reports, report
-from distlib.reliability.stop import Interrupted
+from distlib.reliability.stop import Interrupted, received
 
 # A rank under torchrun that is not its node's local rank 0 waits this long for torchrun to end it
 # after a configuration error (local rank 0 reports it and exits first); then it reports it itself.
@@ -49,8 +49,7 @@ def exit_code(e: BaseException, timeout_s: float, *, before_start: bool = False)
     elif isinstance(e, torch.OutOfMemoryError):  # outside the trainer's steps (building the model)
         message, code = f"out of GPU memory: {_first_line(e)}", 2
     elif isinstance(e, Interrupted):  # a stop signal before training started
-        name = "" if e.signum == signal.SIGINT else f" by {signal.Signals(e.signum).name}"
-        message, code = f"interrupted{name}", 128 + e.signum
+        message, code = _interrupted(e.signum), 128 + e.signum
     elif isinstance(e, KeyboardInterrupt):  # a second Ctrl-C
         message, code = "interrupted", 130
     elif described is not None and " lost the connection " in described:
@@ -63,6 +62,10 @@ def exit_code(e: BaseException, timeout_s: float, *, before_start: bool = False)
     report(code, message)
     write_line(f"error: {message}")
     return code
+
+
+def _interrupted(signum: int) -> str:
+    return "interrupted" + ("" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}")
 
 
 def _first_line(e: BaseException) -> str:
@@ -82,6 +85,11 @@ def _after_a_lost_peer(e: BaseException, described: str, rank: int, timeout_s: f
             return (message if message.startswith("(on rank") else f"(on rank {peer}) {message}"), said["code"]
     gone = {peer: (said["message"] if said else None) for peer, said in reports.items()
             if said is None or not said["message"].startswith(f"rank {peer} lost the connection")}  # fmt: skip
+    signum = received()
+    if signum and not any(gone.values()):
+        # no peer failed of its own and this rank got a stop signal: the peers it lost ended by theirs (a
+        # process interrupted before training ends at once; one still importing has no group to report in)
+        return _interrupted(signum), 128 + signum
     return describe(e, rank=rank, timeout_s=timeout_s, lost=gone) or described, 1
 
 
