@@ -213,10 +213,10 @@ def _whole_model_rank(ctx) -> dict:
 
 def test_a_whole_model_compiled_around_the_chunked_loss_trains_as_eager():
     """train.compile=model with the loss in chunks (the model compiled whole by the step, one graph a
-    GradSync bucket, at 2 gloo ranks): the model's graphs end at the hidden states and the loss's
+    GradSync bucket, at 3 gloo ranks): the model's graphs end at the hidden states and the loss's
     Function runs between forward and backward; each step's loss and every parameter's change equal
     the eager run's. (Traced into the model's graph, the Function's gradients could not leave it.)"""
-    results = run_ranks(_whole_model_rank, 2, timeout=300)[0]
+    results = run_ranks(_whole_model_rank, 3, timeout=300)[0]
     (eager_losses, eager, _), (losses, compiled, graphs) = results[False], results[True]
     assert graphs > 0  # the model was compiled
     assert max(abs(a - b) for a, b in zip(losses, eager_losses)) < 1e-5, (losses, eager_losses)
