@@ -31,7 +31,8 @@ REPEAT_S = 5.0  # a SIGINT this long after the first signal is a person's second
 
 
 class Interrupted(KeyboardInterrupt):
-    """The first stop signal, raised where the main thread was while ``catch(interrupt=True)`` held."""
+    """The first stop signal, raised where the main thread was while ``catch(interrupt=True)`` held, or by
+    ``StopSignal()`` when its group could not be connected after a signal (the peers were stopping)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -93,7 +94,8 @@ class StopSignal:
 
     Building it is a collective when the world size is above 1 (it creates a
     gloo group): every rank must build it, in the same order. Every rank must
-    call ``check()`` the same number of times.
+    call ``check()`` the same number of times. A signal that came while the
+    group was connected, whose connect then failed, raises ``Interrupted``.
     """
 
     def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS, timeout_s: float = 300.0):
@@ -106,7 +108,17 @@ class StopSignal:
         self._flag = torch.zeros(1, dtype=torch.int32)
         if collectives.world_size() > 1:
             # gloo works on CPU tensors whatever the main backend, and keeps the flag off the GPU streams
-            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            try:
+                self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            except Exception:
+                signum = self._local
+                self.restore_handlers()  # no object is returned to close
+                if not signum:
+                    raise
+                # the job is stopping while its ranks connect this group: a peer interrupted before it (or
+                # torchrun, taking the rendezvous store along) left mid-connect. Nothing is trained yet, so
+                # this is the signal's interruption, not a lost peer
+                raise Interrupted(signum) from None
 
     @property
     def _local(self) -> int:

@@ -87,3 +87,31 @@ def test_the_signals_given_are_the_ones_caught():
         restored = {s: signal.getsignal(s) for s in before}
         signal.signal(signal.SIGUSR1, ignored)
     assert restored == before
+
+
+@pytest.mark.parametrize("signalled", [True, False])
+def test_a_group_whose_connect_fails_after_a_signal_interrupts_and_any_other_failure_is_raised(monkeypatch, signalled):
+    """Every process of a job signalled as training starts: a peer (or torchrun, with the rendezvous store)
+    leaves while this rank connects the stop's group, and the connect fails. With a signal received that is
+    the signal's interruption (nothing trained yet), the handlers put back; without one, the failure itself."""
+    import torch.distributed as dist
+
+    def connect_fails(**kwargs):
+        if signalled:
+            os.kill(os.getpid(), signal.SIGTERM)  # the job's stop, received while the peers were leaving
+        raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+    monkeypatch.setattr(stop_module.collectives, "world_size", lambda: 3)
+    monkeypatch.setattr(stop_module.dist, "new_group", connect_fails)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        if signalled:
+            with pytest.raises(stop_module.Interrupted) as e:
+                StopSignal(timeout_s=5)
+            assert e.value.signum == signal.SIGTERM and e.value.__cause__ is None
+        else:
+            with pytest.raises(dist.DistNetworkError, match="likely closed"):
+                StopSignal(timeout_s=5)
+        assert signal.getsignal(signal.SIGTERM) == before
+    finally:
+        stop_module.release()

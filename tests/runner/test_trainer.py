@@ -285,38 +285,6 @@ def test_a_rank_that_lost_a_peer_says_what_the_peer_said_or_names_it(monkeypatch
     assert sent[-1] == (code, err.removeprefix("error: ").strip())  # its own word, for the others
 
 
-@pytest.mark.parametrize(
-    "signum, reports, code, said",
-    [
-        (2, {1: None, 2: None}, 130, "error: interrupted\n"),  # the peers ended by the signal before reporting
-        (15, {1: {"code": 1, "message": "rank 1 lost the connection to rank 2 in new_group: ..."}, 2: None}, 143,
-         "error: interrupted by SIGTERM\n"),  # another survivor's word is not a failure of its own
-        (15, {1: {"code": 130, "message": "interrupted"}, 2: None}, 130, "(on rank 1) interrupted"),
-        (15, {1: {"code": 1, "message": "ValueError: a bug (its traceback is in its output)"}, 2: None}, 1,
-         "rank 1 failed: ValueError: a bug"),  # a peer's bug is said even when a stop signal came too
-    ],
-)  # fmt: skip
-def test_a_rank_that_got_a_stop_signal_and_lost_its_peers_says_it_was_interrupted(
-    monkeypatch, capsys, signum, reports, code, said
-):
-    """Every process signalled during the start: a peer interrupted before training ends at once, so this
-    rank's collective (here gloo's connect of the stop group) loses it. That is the signal's exit, not a
-    lost connection, unless a peer failed of its own."""
-    from types import SimpleNamespace
-
-    from distlib.runner.training import outcome
-
-    monkeypatch.setattr(outcome, "context", lambda: SimpleNamespace(rank=3))
-    monkeypatch.setattr(outcome, "peer_reports", lambda: reports)
-    monkeypatch.setattr(outcome, "report", lambda c, m: None)
-    monkeypatch.setattr(outcome, "received", lambda: signum)
-    lost = RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server "
-                        "shutdown or crash? [gloo]")  # fmt: skip
-    assert outcome.exit_code(lost, timeout_s=60.0) == code
-    err = capsys.readouterr().err
-    assert err.count("error: ") == 1 and said in err, err
-
-
 def _one_rank_lost(ctx, lost: int) -> tuple[int, str] | None:
     """Rank ``lost`` leaves the group without a word (as one killed); the others' all_reduce fails:
     each one's exit code and error line (``outcome.exit_code``), as the launcher prints it."""

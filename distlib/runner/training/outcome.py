@@ -17,7 +17,7 @@ from distlib.errors import DistlibError
 from distlib.log import write_line
 from distlib.parallel.grad_sync import GradSyncTimeout
 from distlib.reliability.failures import describe, peer_reports, report
-from distlib.reliability.stop import Interrupted, received
+from distlib.reliability.stop import Interrupted
 
 # A rank under torchrun that is not its node's local rank 0 waits this long for torchrun to end it
 # after a configuration error (local rank 0 reports it and exits first); then it reports it itself.
@@ -85,11 +85,6 @@ def _after_a_lost_peer(e: BaseException, described: str, rank: int, timeout_s: f
             return (message if message.startswith("(on rank") else f"(on rank {peer}) {message}"), said["code"]
     gone = {peer: (said["message"] if said else None) for peer, said in reports.items()
             if said is None or not said["message"].startswith(f"rank {peer} lost the connection")}  # fmt: skip
-    signum = received()
-    if signum and not any(gone.values()):
-        # no peer failed of its own and this rank got a stop signal: the peers it lost ended by theirs (a
-        # process interrupted before training ends at once; one still importing has no group to report in)
-        return _interrupted(signum), 128 + signum
     return describe(e, rank=rank, timeout_s=timeout_s, lost=gone) or described, 1
 
 
