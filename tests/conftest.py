@@ -10,6 +10,7 @@ import multiprocessing as mp
 import multiprocessing.forkserver as forkserver
 import os
 import pickle
+import random
 import socket
 import threading
 import traceback
@@ -50,8 +51,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), {have} visible"))
 
 
+def _ephemeral_ports() -> range:
+    """The ports the kernel gives outgoing connections (and ``bind(0)``)."""
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port for a rendezvous host, free now and outside the ephemeral range: a port taken from
+    ``bind(0)`` is one the kernel also hands to outgoing connections (every gloo pair of the tests
+    running beside this one opens some), so one can take it before rank 0 listens (EADDRINUSE)."""
+    ephemeral = _ephemeral_ports()
+    candidates = [p for p in range(10000, 32768) if p not in ephemeral] or list(range(10000, 32768))
+    rng = random.Random()  # seeded by the OS: each test process draws its own
+    for _ in range(100):
+        port = rng.choice(candidates)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use
+            return port
+    with socket.socket() as s:  # every try taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
