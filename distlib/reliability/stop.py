@@ -95,7 +95,7 @@ class StopSignal:
     Building it is a collective when the world size is above 1 (it creates a
     gloo group): every rank must build it, in the same order. Every rank must
     call ``check()`` the same number of times. A signal that came while the
-    group was connected, whose connect then failed, raises ``Interrupted``.
+    group was being connected, whose connect then failed, raises ``Interrupted``.
     """
 
     def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS, timeout_s: float = 300.0):

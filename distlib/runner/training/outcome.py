@@ -49,7 +49,8 @@ def exit_code(e: BaseException, timeout_s: float, *, before_start: bool = False)
     elif isinstance(e, torch.OutOfMemoryError):  # outside the trainer's steps (building the model)
         message, code = f"out of GPU memory: {_first_line(e)}", 2
     elif isinstance(e, Interrupted):  # a stop signal before training started
-        message, code = _interrupted(e.signum), 128 + e.signum
+        name = "" if e.signum == signal.SIGINT else f" by {signal.Signals(e.signum).name}"
+        message, code = f"interrupted{name}", 128 + e.signum
     elif isinstance(e, KeyboardInterrupt):  # a second Ctrl-C
         message, code = "interrupted", 130
     elif described is not None and " lost the connection " in described:
@@ -62,10 +63,6 @@ def exit_code(e: BaseException, timeout_s: float, *, before_start: bool = False)
     report(code, message)
     write_line(f"error: {message}")
     return code
-
-
-def _interrupted(signum: int) -> str:
-    return "interrupted" + ("" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}")
 
 
 def _first_line(e: BaseException) -> str:
