@@ -70,7 +70,7 @@ def step_fn(variant: str, model: nn.Module, chunks: int, compile_loss: bool) -> 
             loss_fn = torch.compile(loss_fn, dynamic=False)
         return lambda x, y: loss_fn(model(x), y) / (y != -100).sum()
     if variant == "chunked":
-        loss = chunked_cross_entropy(chunks)
+        loss = chunked_cross_entropy(chunks, compile_backend="inductor" if compile_loss else None)  # as the runner's
         return lambda x, y: model(x, head=loss.head(y)) / (y != -100).sum()
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 

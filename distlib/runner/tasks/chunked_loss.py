@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor  # imported by torch itself: free
 
 from distlib.runner.data.text import IGNORED
 from distlib.runner.tasks.losses import StepLoss, cross_entropy
@@ -77,6 +78,31 @@ def _chunk_fn(compile_backend: str | None):
     return _compiled[compile_backend]
 
 
+# where an addmm of 16-bit operands into fp32 works: CUDA (cuBLAS) and fake tensors planning it
+_fp32_addmm = {"cuda": True, "fake": True}
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` in fp32. Operands of ``acc``'s dtype: ``addmm_``. 16-bit operands
+    on CUDA: one cuBLAS product that reads and writes ``acc`` in fp32 (``addmm``'s ``out_dtype``),
+    where the product in the operands' dtype, then added, writes a 16-bit vocabulary x width
+    temporary (0.5 GiB at Llama-3's vocabulary) and reads it back for every chunk. Elsewhere (the
+    CPU has no such kernel): the product in the operands' dtype, as the plain loss's, summed in fp32
+    (``add_`` promotes each element as it reads it). Fake tensors (the memory plan, which plans a
+    GPU's step on the CPU) take the CUDA path: the plan counts what the GPU allocates."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    where = "fake" if isinstance(acc, FakeTensor) else acc.device.type
+    if _fp32_addmm.get(where, False):
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (RuntimeError, NotImplementedError, TypeError):  # a torch without it: checked before any write
+            _fp32_addmm[where] = False
+    acc.add_(a @ b)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunks: int, smoothing: float,
@@ -96,11 +122,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grads:
                 torch.mm(g, weight, out=grad_h[start : start + hc.shape[0]])  # its rows of grad_h: no copy
                 if grad_w is not None:  # fp32 accumulation over the chunks
-                    if hc.dtype == grad_w.dtype:
-                        grad_w.addmm_(g.t(), hc)
-                    else:  # bf16 operands: the product in their dtype (as the plain loss's), summed in fp32
-                        # add_ promotes each element as it reads it: no fp32 copy of the product is stored
-                        grad_w.add_(g.t() @ hc)
+                    _accumulate(grad_w, g.t(), hc)
             start += hc.shape[0]
         if grads:
             ctx.save_for_backward(grad_h, grad_w[:vocab].to(weight.dtype) if grad_w is not None else None)
