@@ -50,6 +50,8 @@ def entries(prof: Any) -> list[dict]:
             "self_cpu_us": float(e.self_cpu_time_total),
             "self_device_us": float(getattr(e, "self_device_time_total", 0.0) or 0.0),
             "count": int(e.count),
+            # a record_function range (Optimizer.step#AdamW.step) also shows as device time: its kernels'
+            "annotation": bool(getattr(e, "is_user_annotation", False)),
         }
         for e in prof.key_averages()
     ]
@@ -58,6 +60,7 @@ def entries(prof: Any) -> list[dict]:
 def split(rows: list[dict], steps: int, top: int = 12) -> dict:
     """Milliseconds a step of each kind, and the ``top`` kernels by time: the device's kernels where the
     profile has any, else the CPU's operators (their self time)."""
+    rows = [r for r in rows if not r.get("annotation")]  # a range over kernels counted already: not one
     kernels = [r for r in rows if r["device"] != "CPU" and r["self_device_us"] > 0]
     on_device = bool(kernels)
     if not on_device:

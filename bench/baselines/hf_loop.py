@@ -109,7 +109,8 @@ if args.profile_json:  # after the timed steps: the profiler's own cost stays ou
             train_step(x)
         sync()
     rows = [{"name": e.key, "device": str(e.device_type).rsplit(".", 1)[-1], "self_cpu_us": e.self_cpu_time_total,
-             "self_device_us": getattr(e, "self_device_time_total", 0.0) or 0.0, "count": e.count}
+             "self_device_us": getattr(e, "self_device_time_total", 0.0) or 0.0, "count": e.count,
+             "annotation": bool(getattr(e, "is_user_annotation", False))}
             for e in prof.key_averages()]
     with open(args.profile_json, "w") as f:
         json.dump({"steps": args.profile_steps, "rows": rows}, f)

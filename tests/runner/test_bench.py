@@ -662,7 +662,8 @@ def test_hf_families_runs_tiny_on_the_cpu(tmp_path):
 
 def test_kernel_split_sorts_gpu_kernels_by_kind():
     """bench.kernel_split: kernel names as a GPU profile of a compiled step has them, by kind; fused
-    inductor kernels with a cast in them are not copies; the split sums each side's device time."""
+    inductor kernels with a cast in them are not copies; the split sums each side's device time, the
+    profiler's annotated ranges (which span kernels already counted) left out."""
     from bench import kernel_split
 
     names = {
@@ -683,6 +684,9 @@ def test_kernel_split_sorts_gpu_kernels_by_kind():
         assert kernel_split.kind(name) == expected, name
     rows = [{"name": n, "device": "CUDA", "self_cpu_us": 0.0, "self_device_us": 1000.0, "count": 2} for n in names]
     rows.append({"name": "aten::mm", "device": "CPU", "self_cpu_us": 5e6, "self_device_us": 0.0, "count": 2})
+    # the optimizer's record_function range, on the device as long as its kernels: not counted twice
+    rows.append({"name": "Optimizer.step#AdamW.step", "device": "CUDA", "self_cpu_us": 0.0, "self_device_us": 1e5,
+                 "count": 2, "annotation": True})  # fmt: skip
     split = kernel_split.split(rows, steps=2, top=3)
     assert split["on"] == "device" and split["total_ms"] == pytest.approx(len(names) * 0.5)  # the CPU's op left out
     assert split["ms_per_step"]["matmul"] == pytest.approx(2.0) and len(split["top"]) == 3
