@@ -37,7 +37,8 @@ runner, and the row has its tokens/s and the runner's ratio to it.
 With ``--profile N``, each side then runs N more steps under torch.profiler, and the row has each
 side's kernel time a step by kind of work (``bench.kernel_split``: attention, matmul, norm, loss,
 optimizer, copy, other) and its costliest kernels; a table a family, after the main one, sets the
-two sides' kinds side by side.
+two sides' kinds side by side, then each side's timed step and the part of it in which the GPU ran
+no kernel (the step less the kernels: where a side waits on its host).
 
 Before the runner's build, the family's process plans the recipe's memory (``distlib.runner.plan``, on
 fake tensors; the warm-up's copy of the weights included on a GPU): the row has it beside the peak the
@@ -311,7 +312,8 @@ def runner_row(args: argparse.Namespace, family: str, work: str) -> dict:
         flops = model.flops_per_token(seq)
         mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         return {"family": family, "params": model.num_params(), "attn": model.config._attn_implementation, "cuda": cuda,
-                "runner_tokens_per_s": round(batch * seq / step_s), "runner_build_s": round(build_s, 1),
+                "runner_tokens_per_s": round(batch * seq / step_s), "tokens_per_step": batch * seq,
+                "runner_build_s": round(build_s, 1),
                 "runner_stages": {k: round(v, 2) for k, v in timeline.stages.items()},
                 "flops_per_token": flops, "runner_peak_gib": round(mem, 2), **profiled}  # fmt: skip
     finally:
@@ -479,7 +481,9 @@ def main(argv: list[str] | None = None) -> int:
         if "runner_profile" in r and "baseline_profile" in r:
             on = r["runner_profile"]["on"]
             print(f"\n{r['family']}: kernel time a step by kind ({on}, {args.profile} profiled steps a side)\n")
-            print(kernel_split.table(r["runner_profile"], r["baseline_profile"]))
+            steps = [r["tokens_per_step"] / r[k] * 1e3 if r.get(k) else None
+                     for k in ("runner_tokens_per_s", "baseline_tokens_per_s")]  # fmt: skip
+            print(kernel_split.table(r["runner_profile"], r["baseline_profile"], step_ms=steps))
     ok = all(("plan_gib" if args.plan_only else "ratio") in r for r in rows)
     return 0 if ok and not any("titan_error" in r for r in rows) else 1
 

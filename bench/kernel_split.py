@@ -13,6 +13,7 @@ pointwise and reduction kernels).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 KINDS: list[tuple[str, re.Pattern[str]]] = [
@@ -79,8 +80,11 @@ def split(rows: list[dict], steps: int, top: int = 12) -> dict:
     }
 
 
-def table(runner: dict, baseline: dict) -> str:
-    """Two splits side by side: each kind's milliseconds a step, and the difference."""
+def table(runner: dict, baseline: dict, step_ms: Sequence[float | None] = (None, None)) -> str:
+    """Two splits side by side: each kind's milliseconds a step, and the difference. ``step_ms``: each
+    side's timed step (runner, loop), from its tokens/s: then two more rows, the step and the part
+    of it in which no kernel ran (the step less the kernels: launches, the host's work, syncs), where
+    both splits are of device kernels."""
     a, b = runner["ms_per_step"], baseline["ms_per_step"]
     kinds = sorted(set(a) | set(b), key=lambda k: -max(a.get(k, 0.0), b.get(k, 0.0)))
     lines = ["| kind | runner ms/step | loop ms/step | loop - runner |", "|---|---|---|---|"]
@@ -88,4 +92,8 @@ def table(runner: dict, baseline: dict) -> str:
         lines.append(f"| {k} | {a.get(k, 0.0):.2f} | {b.get(k, 0.0):.2f} | {b.get(k, 0.0) - a.get(k, 0.0):+.2f} |")
     ta, tb = runner["total_ms"], baseline["total_ms"]
     lines.append(f"| total | {ta:.2f} | {tb:.2f} | {tb - ta:+.2f} |")
+    sa, sb = step_ms
+    if sa is not None and sb is not None and runner["on"] == baseline["on"] == "device":  # the CPU's ops overlap
+        lines.append(f"| timed step | {sa:.2f} | {sb:.2f} | {sb - sa:+.2f} |")
+        lines.append(f"| no kernel running | {sa - ta:.2f} | {sb - tb:.2f} | {(sb - tb) - (sa - ta):+.2f} |")
     return "\n".join(lines)

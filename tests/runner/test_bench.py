@@ -692,6 +692,10 @@ def test_kernel_split_sorts_gpu_kernels_by_kind():
     assert split["ms_per_step"]["matmul"] == pytest.approx(2.0) and len(split["top"]) == 3
     table = kernel_split.table(split, {**split, "ms_per_step": {"matmul": 2.0}, "total_ms": 2.0}).splitlines()
     assert table[2] == "| matmul | 2.00 | 2.00 | +0.00 |" and table[-1] == "| total | 6.00 | 2.00 | -4.00 |"
+    # with each side's timed step: the step, and the part of it with no kernel running
+    timed = kernel_split.table(split, {**split, "ms_per_step": {"matmul": 2.0}, "total_ms": 2.0}, step_ms=(7.5, 2.25))
+    assert timed.splitlines()[-2:] == ["| timed step | 7.50 | 2.25 | -5.25 |",
+                                       "| no kernel running | 1.50 | 0.25 | -1.25 |"]  # fmt: skip
 
 
 # ---- bench.float8 --------------------------------------------------------------------------------
