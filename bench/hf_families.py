@@ -24,8 +24,11 @@ the table says which) is trained
    its warm-up), then ``--steps`` timed calls of the trainer's own ``train_step`` on one batch (the
    schedule included; no evaluation or checkpoint).
 
-Both print tokens/s from the median step; MFU counts the runner's FLOPs per token (6 per weight of
-the matrix products, attention's 6 * layers * heads * (qk + v head dims) * sequence). Every row is
+Both print tokens/s from the median step (each step timed to a sync: the ``ratio``), and from as many
+steps again back to back with one sync at the end, where the host may run ahead of the GPU as in a
+training run that reads nothing back each step (``run_ratio``; the table's "back to back"). MFU
+counts the runner's FLOPs per token (6 per weight of the matrix products, attention's 6 * layers *
+heads * (qk + v head dims) * sequence). Every row is
 a JSON line in ``--json``; the table comes last. The run of every family takes 1.5 to 4 minutes on
 an H200 (the baseline's whole-model compile is most of it): ``--families`` splits the families over
 calls.
@@ -298,6 +301,12 @@ def runner_row(args: argparse.Namespace, family: str, work: str) -> dict:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
         step_s = statistics.median(times[-args.steps :])
+        t = time.perf_counter()  # the same steps back to back, one sync: the host may run ahead, as in a run
+        for _ in range(args.steps):
+            trainer.train_step(x, y)
+        if cuda:
+            torch.cuda.synchronize()
+        run_s = (time.perf_counter() - t) / args.steps
         profiled = {}
         if args.profile:  # after the timed steps: the profiler's own cost stays out of them
             from torch.profiler import ProfilerActivity, profile
@@ -312,7 +321,8 @@ def runner_row(args: argparse.Namespace, family: str, work: str) -> dict:
         flops = model.flops_per_token(seq)
         mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         return {"family": family, "params": model.num_params(), "attn": model.config._attn_implementation, "cuda": cuda,
-                "runner_tokens_per_s": round(batch * seq / step_s), "tokens_per_step": batch * seq,
+                "runner_tokens_per_s": round(batch * seq / step_s),
+                "runner_run_tokens_per_s": round(batch * seq / run_s), "tokens_per_step": batch * seq,
                 "runner_build_s": round(build_s, 1),
                 "runner_stages": {k: round(v, 2) for k, v in timeline.stages.items()},
                 "flops_per_token": flops, "runner_peak_gib": round(mem, 2), **profiled}  # fmt: skip
@@ -359,7 +369,8 @@ def _baseline_at(args: argparse.Namespace, family: str, attn: str, work: str, ba
     fields = result_fields(cmd)
     if isinstance(fields, str):
         return {"baseline_error": fields}
-    out = {"baseline_tokens_per_s": float(fields["tokens_per_s"]), "baseline_attn": fields["attn"],
+    out = {"baseline_tokens_per_s": float(fields["tokens_per_s"]),
+           "baseline_run_tokens_per_s": float(fields["run_tokens_per_s"]), "baseline_attn": fields["attn"],
            "baseline_first_step_s": float(fields["first_step_s"]),
            "baseline_peak_gib": float(fields["peak_mem_gib"])}  # fmt: skip
     if args.profile:
@@ -405,6 +416,7 @@ def child(args: argparse.Namespace) -> int:
                 row["runner_error"] = f"{type(e).__name__}: {e}"[-1500:]
     if "runner_tokens_per_s" in row and "baseline_tokens_per_s" in row:
         row["ratio"] = round(row["runner_tokens_per_s"] / row["baseline_tokens_per_s"], 3)
+        row["run_ratio"] = round(row["runner_run_tokens_per_s"] / row["baseline_run_tokens_per_s"], 3)
     if "runner_tokens_per_s" in row and "titan_tokens_per_s" in row:
         row["titan_ratio"] = round(row["runner_tokens_per_s"] / row["titan_tokens_per_s"], 3)
     print("ROW " + json.dumps(row), flush=True)
@@ -414,8 +426,8 @@ def child(args: argparse.Namespace) -> int:
 def table(rows: list[dict]) -> str:
     """The markdown table of ``rows``: a failed side says so."""
     lines = ["| family | shape | attention | params | batch | runner tok/s | hf_loop compiled tok/s | ratio "
-             "| runner MFU | runner peak GiB | planned GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| back to back: runner / loop tok/s, ratio | runner MFU | runner peak GiB | planned GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         tps, base = r.get("runner_tokens_per_s"), r.get("baseline_tokens_per_s")
         mfu = f"{tps * r['flops_per_token'] / PEAK:.1%}" if tps and r.get("cuda") else "-"
@@ -429,8 +441,10 @@ def table(rows: list[dict]) -> str:
         if base and "baseline_batch" in r:  # out of memory at the runner's batch: the batch it ran at
             baseline = f"{baseline} (batch {r['baseline_batch']})"
         family = r["family"] + (f" (compile={r['runner_compile']})" if "runner_compile" in r else "")
+        run = (f"{r['runner_run_tokens_per_s']} / {round(r['baseline_run_tokens_per_s'])}, {r['run_ratio']}"
+               if "run_ratio" in r else "-")  # fmt: skip
         lines.append(f"| {family} | {r['shape']} | {attn} | {params} | {r.get('batch', '-')} | {runner} | "
-                     f"{baseline} | {r.get('ratio', '-')} | {mfu} | {peak or '-'} | "
+                     f"{baseline} | {r.get('ratio', '-')} | {run} | {mfu} | {peak or '-'} | "
                      f"{r.get('plan_gib', 'failed' if 'plan_error' in r else '-')} |")  # fmt: skip
     staged = [r for r in rows if "runner_stages" in r]
     if staged:  # where the runner's build goes: the stages launch.py times after its memory check

@@ -565,13 +565,15 @@ def test_hf_families_shapes_build_and_the_table_shows_each_ratio():
             assert tiny or 0.45e9 < n < 3e9, (family, n)
     rows = [{"family": "llama", "shape": "Llama-3.2-1B", "attn": "sdpa", "params": 1.24e9, "cuda": True,
              "runner_tokens_per_s": 60000, "flops_per_token": 9e9, "baseline_tokens_per_s": 50000.0, "ratio": 1.2,
+             "runner_run_tokens_per_s": 63000, "baseline_run_tokens_per_s": 52500.4, "run_ratio": 1.2,
              "runner_peak_gib": 48.5, "plan_gib": 48.39, "batch": 4},
             {"family": "gemma2", "shape": "Gemma-2-2B", "runner_error": "OOM", "baseline_tokens_per_s": 1,
              "plan_error": "no fake flex"},
             {"family": "qwen3", "shape": "Qwen3-0.6B", "attn": "flex_attention", "baseline_attn": "sdpa"}]  # fmt: skip
     table = hf_families.table(rows).splitlines()
-    assert table[2] == "| llama | Llama-3.2-1B | sdpa | 1.24B | 4 | 60000 | 50000 | 1.2 | 54.6% | 48.5 | 48.39 |"
-    assert table[3] == "| gemma2 | Gemma-2-2B | - | - | - | failed | 1 | - | - | - | failed |"
+    assert table[2] == ("| llama | Llama-3.2-1B | sdpa | 1.24B | 4 | 60000 | 50000 | 1.2 | 63000 / 52500, 1.2 | 54.6% "
+                        "| 48.5 | 48.39 |")  # fmt: skip
+    assert table[3] == "| gemma2 | Gemma-2-2B | - | - | - | failed | 1 | - | - | - | - | failed |"
     assert table[4].startswith("| qwen3 | Qwen3-0.6B | flex_attention / sdpa |")  # --runner-attn: both named
     # torchtitan's anchor (--titan) rides on the llama row; a GPU only, so the CPU's modes refuse it
     assert hf_families.parse_args(["--families", "llama", "--titan"]).titan
@@ -602,7 +604,8 @@ def test_hf_families_runs_the_loop_at_half_the_batch_where_it_runs_out_of_memory
         seen.append(batch)
         if batch > 1:
             return "...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 512.00 MiB"
-        return {"tokens_per_s": "9000.5", "attn": "flex_attention", "first_step_s": "30", "peak_mem_gib": "70"}
+        return {"tokens_per_s": "9000.5", "run_tokens_per_s": "9100", "attn": "flex_attention", "first_step_s": "30",
+                "peak_mem_gib": "70"}  # fmt: skip
 
     monkeypatch.setattr(hf_families, "result_fields", fields)
     first = hf_families.batch_of(args, "gemma2")[0]
@@ -650,6 +653,10 @@ def test_hf_families_runs_tiny_on_the_cpu(tmp_path):
     assert row["runner_tokens_per_s"] > 0 and row["baseline_tokens_per_s"] > 0, row
     assert row["attn"] == row["baseline_attn"] == "eager" and row["plan_gib"] >= 0, row
     assert row["ratio"] == pytest.approx(row["runner_tokens_per_s"] / row["baseline_tokens_per_s"], rel=1e-2)
+    # the same steps back to back, one sync at the end: each side's tokens/s and their ratio
+    assert row["runner_run_tokens_per_s"] > 0 and row["baseline_run_tokens_per_s"] > 0, row
+    assert row["run_ratio"] == pytest.approx(row["runner_run_tokens_per_s"] / row["baseline_run_tokens_per_s"],
+                                             rel=1e-2)  # fmt: skip
     # --profile: each side's operators by kind of work, both tables' totals the sum of their kinds
     for side in ("runner_profile", "baseline_profile"):
         split = row[side]
