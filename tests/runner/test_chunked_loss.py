@@ -227,6 +227,45 @@ def test_a_whole_model_compiled_around_the_chunked_loss_trains_as_eager():
             assert (got - want).abs().max() < 1e-5, (k, name)
 
 
+def test_the_output_matrixs_gradient_is_summed_in_fp32_by_the_product_where_the_op_exists(monkeypatch):
+    """The 16-bit operands' product summed into the fp32 gradient: on the CPU (no such kernel) a
+    product in their dtype, then added; on fake tensors (the memory plan's, which plans a GPU's step)
+    one addmm with an fp32 output, as on CUDA, so that the plan holds no 16-bit temporary the GPU
+    never makes; a torch without that op falls back to the CPU's way, with the same sum."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from distlib.runner.tasks import chunked_loss
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(37, 12, generator=g).bfloat16(), torch.randn(12, 5, generator=g).bfloat16()
+    start = torch.randn(37, 5, generator=g)
+    want = start + a.float() @ b.float()
+    acc = start.clone()
+    with Ops() as ops:
+        chunked_loss._accumulate(acc, a, b)
+    assert "aten.mm.default" in ops.seen and not any("addmm" in op for op in ops.seen), ops.seen
+    assert (acc - want).abs().max() < 0.05  # the product rounded to bf16, as the plain loss's
+    with FakeTensorMode() as mode:
+        fake_acc, fake_a, fake_b = (mode.from_tensor(t) for t in (start, a, b))
+        with Ops() as ops:
+            chunked_loss._accumulate(fake_acc, fake_a, fake_b)
+    assert ops.seen == ["aten.addmm.dtype_out"], ops.seen
+    monkeypatch.setitem(chunked_loss._fp32_addmm, "cpu", True)  # a device whose torch lacks the op
+    acc = start.clone()
+    chunked_loss._accumulate(acc, a, b)
+    assert chunked_loss._fp32_addmm["cpu"] is False and (acc - want).abs().max() < 0.05
+
+
 @pytest.mark.gpus(1)
 @pytest.mark.parametrize("backend", [None, "inductor"])
 def test_on_a_gpu_the_chunked_loss_in_bf16_is_as_close_to_the_fp32_loss_as_the_plain_one(backend):

@@ -98,6 +98,8 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         try:
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
             return
+        except torch.OutOfMemoryError:  # a failure of the product itself, not of the op's support
+            raise
         except (RuntimeError, NotImplementedError, TypeError):  # a torch without it: checked before any write
             _fp32_addmm[where] = False
     acc.add_(a @ b)
