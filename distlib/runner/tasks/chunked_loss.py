@@ -78,22 +78,24 @@ def _chunk_fn(compile_backend: str | None):
     return _compiled[compile_backend]
 
 
-# where an addmm of 16-bit operands into fp32 works: CUDA (cuBLAS) and fake tensors planning it
-_fp32_addmm = {"cuda": True, "fake": True}
+_fp32_addmm = {"cuda": True}  # where an addmm of 16-bit operands into fp32 works: CUDA (cuBLAS), torch >= 2.11
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` with ``acc`` in fp32. Operands of ``acc``'s dtype: ``addmm_``. 16-bit operands
-    on CUDA: one cuBLAS product that reads and writes ``acc`` in fp32 (``addmm``'s ``out_dtype``),
-    where the product in the operands' dtype, then added, writes a 16-bit vocabulary x width
-    temporary (0.5 GiB at Llama-3's vocabulary) and reads it back for every chunk. Elsewhere (the
-    CPU has no such kernel): the product in the operands' dtype, as the plain loss's, summed in fp32
-    (``add_`` promotes each element as it reads it). Fake tensors (the memory plan, which plans a
-    GPU's step on the CPU) take the CUDA path: the plan counts what the GPU allocates."""
+    on CUDA: one cuBLAS product that reads and writes ``acc`` in fp32 in place (``addmm``'s
+    ``out_dtype``), where the product in the operands' dtype, then added, writes a 16-bit vocabulary x
+    width temporary (0.5 GiB at Llama-3's vocabulary) and reads it back for every chunk. Elsewhere
+    (the CPU has no such kernel): the product in the operands' dtype, as the plain loss's, summed in
+    fp32 (``add_`` promotes each element as it reads it). Fake tensors (the memory plan, which plans
+    a GPU's step on the CPU): nothing, as the CUDA product allocates nothing (torch's decomposition of
+    the op, which fake tensors would run, makes two fp32 temporaries the kernel does not)."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
         return
-    where = "fake" if isinstance(acc, FakeTensor) else acc.device.type
+    if isinstance(acc, FakeTensor):
+        return
+    where = acc.device.type
     if _fp32_addmm.get(where, False):
         try:
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
