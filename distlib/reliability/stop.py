@@ -9,7 +9,8 @@ the container's, and torchrun forwards the signal it gets to every worker, so a 
 two copies. A repeat of a signal already received is ignored (the process is stopping already);
 only a SIGINT more than ``REPEAT_S`` after the first signal (a person pressing Ctrl-C again) stops
 at once, with KeyboardInterrupt. Before a ``StopSignal`` exists, ``catch(interrupt=True)`` makes the
-first signal raise ``Interrupted`` instead: a process with nothing to save yet stops at once.
+first signal raise ``Interrupted`` instead: a process with nothing to save yet stops at once (unless
+an error is being handled: then the signal is only recorded, for the error's exit to say).
 docs/reliability.md.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import signal
+import sys
 import threading
 import time
 from types import FrameType
@@ -25,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from distlib.distributed import collectives
+from distlib.reliability.children import STOP_SIGNALS
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REPEAT_S = 5.0  # a SIGINT this long after the first signal is a person's second Ctrl-C, not a forwarded copy
 
 
@@ -51,7 +53,10 @@ class _Caught:
     def handle(self, signum: int, frame: FrameType | None) -> None:
         if not self.first:
             self.first, self.first_at = signum, time.monotonic()
-            if self.interrupt:
+            # not while an error is being handled (the handler runs wherever the main thread is, an
+            # ``except`` or ``finally`` block too): the way out would be cut short, and the error lost;
+            # the signal is recorded, and the code that ends the run says it (``received()``)
+            if self.interrupt and sys.exc_info()[1] is None:
                 self.interrupt = False  # once: a repeat must not interrupt the unwinding
                 raise Interrupted(signum)
             return

@@ -48,12 +48,15 @@ class Watchdog:
         deadline_s = timeout_s + grace_s(timeout_s)
         self.deadline_s = deadline_s
         self.interval_s = interval_s or max(0.05, min(1.0, deadline_s / 10))
+        from distlib.reliability import children  # here: the child runs this file alone (python -I -S)
+
         read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)  # a full pipe must never block the heartbeat
         cmd = [sys.executable, "-I", "-S", os.path.abspath(__file__)]
         cmd += [str(read_fd), str(os.getpid()), repr(float(deadline_s)), str(rank)]
         try:
-            self._child = subprocess.Popen(cmd, pass_fds=(read_fd,), stdin=subprocess.DEVNULL)
+            # the stop signals held back until the child ignores them (reliability/children.py)
+            self._child = children.spawn(cmd, pass_fds=(read_fd,), stdin=subprocess.DEVNULL)
         finally:
             os.close(read_fd)
         self._stop = threading.Event()
@@ -89,9 +92,12 @@ class Watchdog:
 
 def _child_main(argv: list[str]) -> int:
     read_fd, parent, deadline, rank = int(argv[0]), int(argv[1]), float(argv[2]), argv[3]
-    # Ctrl-C and torchrun's SIGTERM are for the rank; this process leaves when the rank is gone
+    # Ctrl-C and torchrun's SIGTERM are for the rank; this process leaves when the rank is gone. They
+    # were blocked from its start (children.spawn): one sent meanwhile is dropped here, once ignored
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
     last = time.monotonic()
     while True:
         ready, _, _ = select.select([read_fd], [], [], max(0.0, last + deadline - time.monotonic()))

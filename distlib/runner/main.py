@@ -51,6 +51,8 @@ def main(argv: list[str], timeline: Timeline | None = None) -> int:
         trainer.build()
         code = trainer.fit()
     except BaseException as e:
+        # from here a signal is only recorded (said below by the exit code), never raised into the way out
+        stop.catch(interrupt=False)
         # before the teardown (may exit); cfg None: the recipe is wrong, the same on every rank (as a
         # refused memory plan: every rank computed the same)
         before_start = cfg is None or isinstance(e, MemoryRefused)

@@ -62,6 +62,40 @@ def test_before_a_stop_signal_exists_the_first_signal_interrupts_once():
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+def test_a_signal_while_an_error_is_handled_is_recorded_and_not_raised():
+    """``catch(interrupt=True)`` raises the first signal where the main thread is, but not inside an
+    ``except`` or a ``finally`` run by an error: Interrupted would replace that error and cut its
+    handling short. The signal is recorded (``received()``) for the error's exit to say."""
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            stop_module.catch(interrupt=True)
+            try:
+                raise ConnectionError("the store's host is gone")
+            except ConnectionError:
+                try:
+                    os.kill(os.getpid(), sig)  # the handler runs here, inside the except block
+                except KeyboardInterrupt as e:  # caught here: it would end the whole test session
+                    pytest.fail(f"the signal was raised into the error's handling: {e!r}")
+                handled = True
+            assert handled and stop_module.received() == sig
+            stop_module.release()
+        stop_module.catch(interrupt=True)
+        with pytest.raises(ConnectionError, match="host is gone"):
+            try:
+                raise ConnectionError("the store's host is gone")
+            finally:
+                os.kill(os.getpid(), signal.SIGTERM)
+        assert stop_module.received() == signal.SIGTERM
+        stop_module.release()
+        stop_module.catch(interrupt=True)  # outside any error handling, the first signal still interrupts
+        with pytest.raises(stop_module.Interrupted):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop_module.release()
+    assert signal.getsignal(signal.SIGINT) == before
+
+
 def test_closing_without_a_signal_restores_the_handlers():
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     stop = StopSignal()

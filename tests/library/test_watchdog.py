@@ -79,3 +79,16 @@ def test_the_watchdog_never_outlives_its_rank():
     proc, dog = start("dog.close(); print(dog._child.poll(), flush=True); time.sleep(0.2)")
     out, _ = proc.communicate(timeout=30)
     assert out.strip() == "0" and wait_gone(dog, 5)
+
+
+def test_stop_signals_sent_to_the_watchdog_as_it_starts_are_ignored_without_a_word():
+    """A stop sent to every process of a job reaches the watchdog too, possibly while its interpreter is
+    still importing: the signals wait (blocked from its start) until it ignores them; it lives on, and
+    ends without a traceback when its rank closes it."""
+    proc, dog = start(
+        "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGINT): os.kill(dog._child.pid, s)\n"
+        "time.sleep(0.5); print(dog._child.poll(), flush=True); dog.close(); print(dog._child.returncode)"
+    )
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and out.split() == ["None", "0"], (out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err

@@ -4,13 +4,19 @@ and labels as torchvision's ImageFolder with PIL, bad files are named, the cache
 memory-mapped."""
 
 import os
+import pickle
 import shutil
+import signal
+import subprocess
+import sys
 import tarfile
 
 import numpy as np
 import pytest
 import torch
 
+from distlib.reliability import children
+from distlib.runner.data import image_decode
 from distlib.runner.data.errors import DataError
 from distlib.runner.data.image_decode import decode_cpu, list_imagefolder
 from distlib.runner.data.images import load_image_set
@@ -78,6 +84,34 @@ def test_parallel_decode_keeps_order_and_reports_bad_items():
     assert serial[3] == parallel[3]
     for a, b in zip(serial[:3] + serial[4:], parallel[:3] + parallel[4:]):
         assert a.shape == (32, 32, 3) and np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("moment", ["starting", "decoding"])
+def test_a_decoding_worker_stopped_by_sigint_ends_without_a_traceback(tmp_path, moment):
+    """A stop sent to every process of the job reaches the decoding workers too, while their interpreter
+    starts or mid-decode: they end by the signal, without the KeyboardInterrupt traceback that would
+    read as a crash in the job's output."""
+    fifo = str(tmp_path / "image.jpg")
+    os.mkfifo(fifo)  # the worker blocks reading it: a moment inside its decode, known to the test
+    worker = children.spawn(  # as decode_cpu starts them
+        [sys.executable, "-c", image_decode._WORKER_CODE, image_decode.__file__],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    if moment == "starting":
+        worker.send_signal(signal.SIGINT)  # its interpreter is still importing
+    pickle.dump([fifo], worker.stdin)
+    worker.stdin.close()
+    if moment == "decoding":
+        with open(fifo, "wb") as writer:  # returns once the worker has opened the image
+            writer.write(b"\xff\xd8")  # the start of a JPEG: the decoder waits for the rest
+            writer.flush()
+            worker.send_signal(signal.SIGINT)
+    worker.wait(timeout=60)  # with the image's end (the writer closed), a worker that caught the signal goes on
+    err = worker.stderr.read()
+    worker.stdout.close()
+    worker.stderr.close()
+    assert worker.returncode == -signal.SIGINT, (worker.returncode, err.decode())
+    assert err == b""
 
 
 def test_corrupt_member_of_an_archive_is_named(tmp_path):

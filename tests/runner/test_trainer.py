@@ -245,6 +245,29 @@ def test_launch_maps_the_outcome_to_one_exit_code_and_tears_down(
     assert closed == [raised]  # the one teardown, told what happened
 
 
+def test_a_stop_signal_during_a_failed_starts_way_out_is_said_by_the_exit_code_not_raised(
+    tmp_path, world_size_1, monkeypatch, capsys
+):
+    """A signal whose handler runs while the run handles its error (a store call that failed because
+    the job is stopping: the handler runs once the call returns) ends the run with one line and 128 +
+    the signal; it does not cut the way out short with a KeyboardInterrupt."""
+    from distlib.runner.training import outcome
+
+    closed = []
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
+    monkeypatch.setattr(Trainer, "build", lambda self: (_ for _ in ()).throw(lost))
+    monkeypatch.setattr(Trainer, "close", lambda self, error=None: closed.append(error))
+    # the peers' words are read while the error is handled: the signal lands there
+    monkeypatch.setattr(outcome, "peer_reports", lambda: (os.kill(os.getpid(), signal.SIGTERM), {})[1])
+    try:
+        assert _launch(tmp_path) == 143
+    except KeyboardInterrupt as e:  # caught here: it would end the whole test session
+        pytest.fail(f"the signal was raised into the way out: {e!r}")
+    err = capsys.readouterr().err
+    assert err.count("error: ") == 1 and "error: interrupted by SIGTERM" in err, err
+    assert closed == [lost]
+
+
 def test_the_error_line_names_the_rank_that_says_it(monkeypatch, capsys):
     from types import SimpleNamespace
 
@@ -256,21 +279,32 @@ def test_the_error_line_names_the_rank_that_says_it(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize(
-    "reports, code, said",
+    "reports, signalled, code, said",
     [
-        ({1: None}, 1, "rank 3 lost the connection to rank 1 in a collective: rank 1 ended without a word (killed"),
-        ({1: {"code": 1, "message": "ValueError: a bug (its traceback is in its output)"}}, 1,
+        ({1: None}, 0, 1, "rank 3 lost the connection to rank 1 in a collective: rank 1 ended without a word (killed"),
+        ({1: {"code": 1, "message": "ValueError: a bug (its traceback is in its output)"}}, 0, 1,
          "to rank 1 in a collective: rank 1 failed: ValueError: a bug"),
-        ({1: {"code": 2, "message": "x.bin: token id 600 ..."}}, 2, "(on rank 1) x.bin: token id 600 ..."),
-        ({1: {"code": 143, "message": "interrupted by SIGTERM"}, 2: None}, 143, "(on rank 1) interrupted by SIGTERM"),
-        ({1: {"code": 1, "message": "rank 1 lost the connection to rank 2 in all_reduce: ..."}, 2: None}, 1,
+        ({1: {"code": 2, "message": "x.bin: token id 600 ..."}}, 0, 2, "(on rank 1) x.bin: token id 600 ..."),
+        ({1: {"code": 143, "message": "interrupted by SIGTERM"}, 2: None}, 0, 143,
+         "(on rank 1) interrupted by SIGTERM"),
+        ({1: {"code": 1, "message": "rank 1 lost the connection to rank 2 in all_reduce: ..."}, 2: None}, 0, 1,
          "lost the connection to rank 2 in a collective: rank 2 ended without a word"),
-        ({}, 1, "rank 3 lost the connection to another rank"),  # no store to ask
+        ({}, 0, 1, "rank 3 lost the connection to another rank"),  # no store to ask
+        # this rank was signalled and the store is gone: the job is stopping (torchrun, signalled again,
+        # ended and took its store along)
+        ({}, signal.SIGTERM, 143, "error: interrupted by SIGTERM"),
+        # with the store there a signal excuses no lost peer (torchrun's SIGTERM after a worker died)
+        ({1: None, 2: {"code": 1, "message": "rank 2 lost the connection to rank 1 in all_reduce: ..."}},
+         signal.SIGTERM, 1, "lost the connection to rank 1 in a collective: rank 1 ended without a word"),
+        ({1: None, 2: {"code": 2, "message": "x.bin: token id 600 ..."}}, signal.SIGINT, 2, "(on rank 2) x.bin"),
     ],
 )  # fmt: skip
-def test_a_rank_that_lost_a_peer_says_what_the_peer_said_or_names_it(monkeypatch, capsys, reports, code, said):
+def test_a_rank_that_lost_a_peer_says_what_the_peer_said_or_names_it(
+    monkeypatch, capsys, reports, signalled, code, said
+):
     """The peers' words in the store (``failures.report``): an error or a stop of its own is said again with
-    its code; a rank that left none, or failed with a bug, is named; another survivor is not."""
+    its code; a rank that left none, or failed with a bug, is named; another survivor is not. A rank that
+    received a stop signal and finds no store to ask was stopped: 128 + the signal."""
     from types import SimpleNamespace
 
     from distlib.runner.training import outcome
@@ -279,6 +313,7 @@ def test_a_rank_that_lost_a_peer_says_what_the_peer_said_or_names_it(monkeypatch
     monkeypatch.setattr(outcome, "context", lambda: SimpleNamespace(rank=3))
     monkeypatch.setattr(outcome, "peer_reports", lambda: reports)
     monkeypatch.setattr(outcome, "report", lambda c, m: sent.append((c, m)))
+    monkeypatch.setattr(outcome.stop, "received", lambda: signalled)
     assert outcome.exit_code(RuntimeError("[gloo] Connection reset by peer"), timeout_s=60.0) == code
     err = capsys.readouterr().err
     assert err.startswith("error: ") and said in err, err

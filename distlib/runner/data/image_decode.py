@@ -143,7 +143,12 @@ def _worker() -> None:
     sys.stdout.buffer.flush()
 
 
+# SIGINT's default action first, then the stop signals unblocked (children.spawn started the worker with
+# them blocked): a stop sent to every process of the job ends a worker without a KeyboardInterrupt
+# traceback, whenever it comes; its parent, signalled too, says why the run ends
 _WORKER_CODE = (
+    "import signal; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM)); "
     "import importlib.util, sys; spec = importlib.util.spec_from_file_location('_image_decode', sys.argv[1]); "
     "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); m._worker()"
 )
@@ -167,8 +172,10 @@ def decode_cpu(items: list[str | bytes], workers: int = 0) -> list:
     if workers == 1:
         return [_decode_one(item) for item in items]
     bounds = [len(items) * k // workers for k in range(workers + 1)]
+    from distlib.reliability import children  # the parent's only: a worker loads this file alone
+
     procs = [
-        subprocess.Popen(
+        children.spawn(
             [sys.executable, "-c", _WORKER_CODE, os.path.abspath(__file__)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -16,6 +16,7 @@ from distlib.distributed.process_group import context
 from distlib.errors import DistlibError
 from distlib.log import write_line
 from distlib.parallel.grad_sync import GradSyncTimeout
+from distlib.reliability import stop
 from distlib.reliability.failures import describe, peer_reports, report
 from distlib.reliability.stop import Interrupted
 
@@ -33,7 +34,9 @@ def exit_code(e: BaseException, timeout_s: float, *, before_start: bool = False)
     (every local rank of a torchrun node read the same files and raised the same): reported once
     per node. Every rank leaves word of why it ends for its peers (``failures.report``): a rank whose
     collective fails because a peer left says what that peer said, with its exit code (a data error
-    found by one rank ends every rank with it), or names the peer that ended without a word.
+    found by one rank ends every rank with it), or names the peer that ended without a word. One that
+    received a stop signal and finds no store to ask (torchrun ended, taking it along) was stopped:
+    128 + the signal.
     """
     if before_start and isinstance(e, DistlibError):
         report_config_error(str(e))
@@ -49,8 +52,7 @@ def exit_code(e: BaseException, timeout_s: float, *, before_start: bool = False)
     elif isinstance(e, torch.OutOfMemoryError):  # outside the trainer's steps (building the model)
         message, code = f"out of GPU memory: {_first_line(e)}", 2
     elif isinstance(e, Interrupted):  # a stop signal before training started
-        name = "" if e.signum == signal.SIGINT else f" by {signal.Signals(e.signum).name}"
-        message, code = f"interrupted{name}", 128 + e.signum
+        message, code = _interrupted(e.signum), 128 + e.signum
     elif isinstance(e, KeyboardInterrupt):  # a second Ctrl-C
         message, code = "interrupted", 130
     elif described is not None and " lost the connection " in described:
@@ -63,6 +65,10 @@ def exit_code(e: BaseException, timeout_s: float, *, before_start: bool = False)
     report(code, message)
     write_line(f"error: {message}")
     return code
+
+
+def _interrupted(signum: int) -> str:
+    return "interrupted" if signum == signal.SIGINT else f"interrupted by {signal.Signals(signum).name}"
 
 
 def _first_line(e: BaseException) -> str:
@@ -80,6 +86,12 @@ def _after_a_lost_peer(e: BaseException, described: str, rank: int, timeout_s: f
         if said is not None and said["code"] != 1:  # an error of its own (bad input, a stop): the cause
             message = said["message"]
             return (message if message.startswith("(on rank") else f"(on rank {peer}) {message}"), said["code"]
+    signum = stop.received()
+    if not reports and signum:
+        # no store to ask, after a stop signal: the job is stopping (torchrun, signalled again, ended and
+        # took its store along). With the store there, a signal excuses no lost peer: torchrun sends
+        # SIGTERM to every worker once one died, and a survivor names that one
+        return _interrupted(signum), 128 + signum
     gone = {peer: (said["message"] if said else None) for peer, said in reports.items()
             if said is None or not said["message"].startswith(f"rank {peer} lost the connection")}  # fmt: skip
     return describe(e, rank=rank, timeout_s=timeout_s, lost=gone) or described, 1
