@@ -107,15 +107,16 @@ def report_config_error(message: str) -> None:
     itself exits 1, as for any failed worker). Not written: torchrun's error file
     (``TORCHELASTIC_ERROR_FILE``), which would replace the summary's link with a line of ours but
     makes the agent log an error of its own. torchrun ends a waiting rank with SIGTERM, which the
-    launcher's stop handler turns into ``Interrupted``: that rank then ends without a word (local
-    rank 0 said it). Without torchrun: printed at once.
+    launcher's stop handler records (``stop.received()``; not raised while an error is handled): that
+    rank then ends without a word (local rank 0 said it). Without torchrun: printed at once.
     """
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     if under_torchrun and os.environ.get("LOCAL_RANK", "0") != "0":
-        try:
-            time.sleep(PEER_REPORT_WAIT_S)  # torchrun ends this process here in the usual case
-        except Interrupted:
-            return  # torchrun's SIGTERM after local rank 0 reported the error: nothing more to say
+        end = time.monotonic() + PEER_REPORT_WAIT_S
+        while time.monotonic() < end:  # torchrun ends this process here in the usual case
+            if stop.received():
+                return  # torchrun's SIGTERM after local rank 0 reported the error: nothing more to say
+            time.sleep(0.05)
     write_line(f"error: {message}")
 
 
