@@ -257,8 +257,10 @@ def test_a_stop_signal_during_a_failed_starts_way_out_is_said_by_the_exit_code_n
     lost = RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
     monkeypatch.setattr(Trainer, "build", lambda self: (_ for _ in ()).throw(lost))
     monkeypatch.setattr(Trainer, "close", lambda self, error=None: closed.append(error))
-    # the peers' words are read while the error is handled: the signal lands there
+    # the peers' words are read while the error is handled: the signal lands there; no store answers,
+    # and it was torchrun's
     monkeypatch.setattr(outcome, "peer_reports", lambda: (os.kill(os.getpid(), signal.SIGTERM), {})[1])
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     try:
         assert _launch(tmp_path) == 143
     except KeyboardInterrupt as e:  # caught here: it would end the whole test session
@@ -304,7 +306,7 @@ def test_a_rank_that_lost_a_peer_says_what_the_peer_said_or_names_it(
 ):
     """The peers' words in the store (``failures.report``): an error or a stop of its own is said again with
     its code; a rank that left none, or failed with a bug, is named; another survivor is not. A rank that
-    received a stop signal and finds no store to ask was stopped: 128 + the signal."""
+    received a stop signal and finds torchrun's store gone was stopped: 128 + the signal."""
     from types import SimpleNamespace
 
     from distlib.runner.training import outcome
@@ -314,10 +316,30 @@ def test_a_rank_that_lost_a_peer_says_what_the_peer_said_or_names_it(
     monkeypatch.setattr(outcome, "peer_reports", lambda: reports)
     monkeypatch.setattr(outcome, "report", lambda c, m: sent.append((c, m)))
     monkeypatch.setattr(outcome.stop, "received", lambda: signalled)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # torchrun's agent hosts the store
     assert outcome.exit_code(RuntimeError("[gloo] Connection reset by peer"), timeout_s=60.0) == code
     err = capsys.readouterr().err
     assert err.startswith("error: ") and said in err, err
     assert sent[-1] == (code, err.removeprefix("error: ").strip())  # its own word, for the others
+
+
+def test_where_rank_0_hosted_the_store_its_loss_after_a_signal_is_still_a_lost_peer(monkeypatch, capsys):
+    """srun or mpirun (no torchrun agent): the store was rank 0's, so finding it gone means rank 0 is
+    gone, whatever signal this rank got (Slurm signals the survivors of a failed step)."""
+    from types import SimpleNamespace
+
+    from distlib.runner.training import outcome
+
+    monkeypatch.setattr(outcome, "context", lambda: SimpleNamespace(rank=2))
+    monkeypatch.setattr(outcome, "peer_reports", lambda: {})
+    monkeypatch.setattr(outcome, "report", lambda c, m: None)
+    monkeypatch.setattr(outcome.stop, "received", lambda: signal.SIGTERM)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert outcome.exit_code(RuntimeError("[gloo] Connection reset by peer"), timeout_s=60.0) == 1
+    assert capsys.readouterr().err.startswith("error: rank 2 lost the connection to another rank")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # torchrun's: gone with torchrun
+    assert outcome.exit_code(RuntimeError("[gloo] Connection reset by peer"), timeout_s=60.0) == 143
+    assert capsys.readouterr().err == "error: interrupted by SIGTERM\n"
 
 
 def _one_rank_lost(ctx, lost: int) -> tuple[int, str] | None:

@@ -35,8 +35,8 @@ def exit_code(e: BaseException, timeout_s: float, *, before_start: bool = False)
     per node. Every rank leaves word of why it ends for its peers (``failures.report``): a rank whose
     collective fails because a peer left says what that peer said, with its exit code (a data error
     found by one rank ends every rank with it), or names the peer that ended without a word. One that
-    received a stop signal and finds no store to ask (torchrun ended, taking it along) was stopped:
-    128 + the signal.
+    received a stop signal and finds torchrun's store gone (torchrun ended, taking it along) was
+    stopped: 128 + the signal.
     """
     if before_start and isinstance(e, DistlibError):
         report_config_error(str(e))
@@ -87,10 +87,11 @@ def _after_a_lost_peer(e: BaseException, described: str, rank: int, timeout_s: f
             message = said["message"]
             return (message if message.startswith("(on rank") else f"(on rank {peer}) {message}"), said["code"]
     signum = stop.received()
-    if not reports and signum:
-        # no store to ask, after a stop signal: the job is stopping (torchrun, signalled again, ended and
-        # took its store along). With the store there, a signal excuses no lost peer: torchrun sends
-        # SIGTERM to every worker once one died, and a survivor names that one
+    if not reports and signum and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent hosted the store, and it is gone after a stop signal: torchrun, signalled
+        # again, ended and took it along; the job is stopping. With the store there, a signal excuses
+        # no lost peer (torchrun sends SIGTERM to every worker once one died: a survivor names that
+        # one), nor where rank 0 hosted it (srun, mpirun): then its loss is rank 0's
         return _interrupted(signum), 128 + signum
     gone = {peer: (said["message"] if said else None) for peer, said in reports.items()
             if said is None or not said["message"].startswith(f"rank {peer} lost the connection")}  # fmt: skip
